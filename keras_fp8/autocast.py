@@ -1,0 +1,90 @@
+"""The policy-level FP8 autocast scope.
+
+`keras_fp8.autocast(...)` is to FP8 what a dtype-policy scope is to mixed
+precision: layers built inside get the scope's policy, and FP8 layers called
+inside use the scope's recipe (or run in plain compute precision with
+`enabled=False`). The state is a `contextvars.ContextVar`, so threads and
+async tasks each see their own scope; FP8 layers capture the scope's settings
+in the forward pass, so the backward pass uses them too, wherever it runs.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+
+from keras.src.dtype_policies import dtype_policy as keras_dtype_policy
+
+from keras_fp8 import policy as policy_lib
+from keras_fp8 import recipes
+
+_CURRENT = contextvars.ContextVar("keras_fp8_autocast", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastState:
+    """The settings of one active `autocast` scope."""
+
+    enabled: bool
+    policy: policy_lib.FP8DTypePolicy
+    recipe: recipes.Recipe
+
+
+def current():
+    """Returns the innermost active `AutocastState`, or None."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def autocast(policy="fp8_hybrid", enabled=True, recipe=None):
+    """Scope that turns FP8 on (or off) for the FP8 layers used inside it.
+
+    Args:
+        policy: An FP8 policy name or `FP8DTypePolicy`. Layers created inside
+            the scope without an explicit `dtype` get this policy.
+        enabled: If False, FP8 layers called inside run their matmul in plain
+            compute precision (exactly like `Dense`/`EinsumDense`), whatever
+            their policy.
+        recipe: Optional recipe overriding the policy's recipe for the FP8
+            layers called inside.
+
+    Yields:
+        The `AutocastState` of the scope.
+
+    Example:
+
+    ```python
+    with keras_fp8.autocast("fp8_hybrid"):
+        layer = keras_fp8.layers.FP8Dense(64)   # gets the fp8_hybrid policy
+        y = layer(x, training=True)             # quantized to FP8
+    with keras_fp8.autocast(enabled=False):
+        y_ref = layer(x)                        # plain bfloat16 matmul
+    ```
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(
+            f"Invalid `enabled`. Expected a bool. Received: enabled={enabled!r}"
+        )
+    fp8_policy = policy_lib.get(policy)
+    recipe = recipes.get(recipe) if recipe is not None else fp8_policy.recipe
+    state = AutocastState(enabled=enabled, policy=fp8_policy, recipe=recipe)
+    token = _CURRENT.set(state)
+    try:
+        yield state
+    finally:
+        _CURRENT.reset(token)
+
+
+_keras_global_policy = keras_dtype_policy.dtype_policy
+
+
+def _dtype_policy_with_scope():
+    """Keras's global-policy getter, answering the active scope's policy first."""
+    state = _CURRENT.get()
+    if state is not None and state.enabled:
+        return state.policy
+    return _keras_global_policy()
+
+
+def register():
+    """Makes layers created inside an enabled scope default to its policy."""
+    keras_dtype_policy.dtype_policy = _dtype_policy_with_scope

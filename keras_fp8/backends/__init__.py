@@ -1,0 +1,36 @@
+"""Backend-specific FP8 matmuls (with their gradients).
+
+Each backend module exposes the same function:
+
+    fp8_matmul(x, kernel, grad_amax_pending, x_scale, kernel_scale,
+               grad_scale, grad_history, emit_token, *, recipe) -> y
+
+computing `y = x @ kernel` for `x` of shape `(M, K)` and `kernel` of shape
+`(K, N)` with both operands quantized to the recipe's forward format using the
+given scales, and a backward pass that quantizes the output gradient once (to
+the backward format, seeding its scale from its own amax while `grad_history`
+is empty) for both the input and the kernel gradient. The "gradient" of
+`grad_amax_pending` is `[amax of the output gradient (0 if not finite),
+emit_token]`: see `keras_fp8/layers/fp8_state.py`.
+
+`torch` runs the compiled kernels of `torch_ops` on FP8-capable CUDA GPUs and
+the exact emulation elsewhere; `jax` runs FP8 `dot_general` through XLA on
+FP8-capable GPUs and the exact emulation elsewhere.
+"""
+
+import importlib
+
+import keras
+
+_SUPPORTED = ("jax", "torch")
+
+
+def get():
+    """Returns the module implementing FP8 matmuls for the Keras backend."""
+    name = keras.backend.backend()
+    if name not in _SUPPORTED:
+        raise NotImplementedError(
+            f"keras_fp8 supports the Keras backends {list(_SUPPORTED)}; the "
+            f"current backend is {name!r}. Set KERAS_BACKEND=jax or torch."
+        )
+    return importlib.import_module(f"keras_fp8.backends.{name}")

@@ -1,0 +1,102 @@
+"""FP8 matmul for the JAX backend.
+
+On an FP8-capable GPU (compute capability >= 8.9) the quantized operands go
+straight into `jax.lax.dot_general` with `preferred_element_type=float32`, so
+XLA emits cuBLASLt FP8 GEMMs for the forward and both backward products.
+Elsewhere the exact emulation of `emulation.py` runs.
+
+The gradient state cannot be assigned inside a JAX backward pass; the output
+gradient's amax leaves through the cotangent of `grad_amax_pending`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from keras_fp8.backends import emulation
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_gemm_supported():
+    """True when the default JAX device is a GPU with FP8 tensor cores."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if device.platform != "gpu":
+        return False
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        return False
+    major, minor = (int(v) for v in str(capability).split(".")[:2])
+    return (major, minor) >= (8, 9)
+
+
+def _xla_fp8_matmul(a_q, b_q, scale, out_dtype):
+    """`(a_q @ b_q) * scale` with FP8 operands handed to XLA directly."""
+    product = jax.lax.dot_general(
+        a_q,
+        b_q,
+        dimension_numbers=(((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+    return (product * scale).astype(out_dtype)
+
+
+def _matmul():
+    return _xla_fp8_matmul if fp8_gemm_supported() else emulation.scaled_matmul
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _fp8_matmul(
+    x, kernel, pending, x_scale, kernel_scale, grad_scale, grad_history,
+    emit_token, recipe,
+):
+    y, _, _ = emulation.forward(
+        x, kernel, x_scale, kernel_scale, recipe, matmul=_matmul()
+    )
+    return y
+
+
+def _fp8_matmul_fwd(
+    x, kernel, pending, x_scale, kernel_scale, grad_scale, grad_history,
+    emit_token, recipe,
+):
+    y, x_q, kernel_q = emulation.forward(
+        x, kernel, x_scale, kernel_scale, recipe, matmul=_matmul()
+    )
+    residuals = (
+        x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history,
+        emit_token, jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype),
+    )
+    return y, residuals
+
+
+def _fp8_matmul_bwd(recipe, residuals, grad):
+    (x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history,
+     emit_token, x_proto, kernel_proto) = residuals
+    dx, dkernel, dpending = emulation.backward(
+        grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history,
+        emit_token, recipe, x_proto.dtype, kernel_proto.dtype,
+        matmul=_matmul(),
+    )
+    zeros = jnp.zeros_like
+    return (
+        dx, dkernel, dpending, zeros(x_scale), zeros(kernel_scale),
+        zeros(grad_scale), zeros(grad_history), zeros(emit_token),
+    )
+
+
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+def fp8_matmul(
+    x, kernel, grad_amax_pending, x_scale, kernel_scale, grad_scale,
+    grad_history, emit_token, *, recipe,
+):
+    """See `keras_fp8.backends`."""
+    return _fp8_matmul(
+        x, kernel, grad_amax_pending, x_scale, kernel_scale, grad_scale,
+        grad_history, emit_token, recipe,
+    )

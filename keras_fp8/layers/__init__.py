@@ -1,0 +1,6 @@
+"""FP8 Keras layers."""
+
+from keras_fp8.layers.fp8_dense import FP8Dense
+from keras_fp8.layers.fp8_einsum_dense import FP8EinsumDense
+
+__all__ = ["FP8Dense", "FP8EinsumDense"]

@@ -1,0 +1,117 @@
+"""FP8Dense: `keras.layers.Dense` with FP8 matmuls and delayed scaling."""
+
+import keras
+from keras import ops
+from keras.saving import register_keras_serializable
+
+from keras_fp8 import recipes
+from keras_fp8.layers.fp8_state import FP8StateMixin
+
+
+@register_keras_serializable(package="keras_fp8")
+class FP8Dense(FP8StateMixin, keras.layers.Dense):
+    """A densely-connected layer whose matmul runs in FP8.
+
+    Takes exactly the arguments of `keras.layers.Dense`, plus `recipe`. Under
+    an FP8 dtype policy (e.g. `"fp8_hybrid"`) or inside an enabled
+    `keras_fp8.autocast` scope, the input and the kernel are quantized to FP8
+    (E4M3) with per-tensor scales, multiplied with float32 accumulation, and
+    the output gradient is quantized (E5M2 for the hybrid format) for both
+    backward matmuls. Otherwise the layer computes exactly what `Dense` does.
+
+    The FP8 state lives in non-trainable float32 variables created in
+    `build`: `input_scale`, `input_amax_history`, `kernel_scale`,
+    `kernel_amax_history`, `grad_scale`, `grad_amax_history`, plus
+    `grad_amax_pending` (the output gradient's amax, carried by the gradient
+    channel and overwritten by the optimizer) and `grad_fold_state`. They are
+    saved and loaded with the model.
+
+    Args:
+        units: Positive integer, dimensionality of the output space.
+        activation, use_bias, kernel_initializer, bias_initializer,
+        kernel_regularizer, bias_regularizer, activity_regularizer,
+        kernel_constraint, bias_constraint, lora_rank, lora_alpha: As in
+            `keras.layers.Dense`.
+        recipe: Optional `keras_fp8.DelayedScaling` / `CurrentScaling`. If
+            None, the policy's recipe (or the default `DelayedScaling()`).
+        **kwargs: Base layer keyword arguments, such as `name` and `dtype`.
+
+    Input shape:
+        N-D tensor with shape `(batch_size, ..., input_dim)`, N >= 2.
+
+    Output shape:
+        N-D tensor with shape `(batch_size, ..., units)`.
+
+    Example:
+
+    >>> import keras_fp8
+    >>> layer = keras_fp8.layers.FP8Dense(32, dtype="fp8_hybrid")
+    >>> y = layer(np.random.rand(8, 16).astype("float32"), training=True)
+    >>> y.shape, layer.input_amax_history.shape
+    ((8, 32), (1024,))
+    """
+
+    def __init__(self, units, *, recipe=None, **kwargs):
+        super().__init__(units, **kwargs)
+        self._init_fp8(recipe)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self._tracker.unlock()
+        self._build_fp8_state()
+        self._tracker.lock()
+
+    def call(self, inputs, training=None):
+        recipe = self._fp8_recipe()
+        if recipe is None:
+            return super().call(inputs, training=training)
+        if self.lora_enabled:
+            raise NotImplementedError(
+                f"Layer '{self.name}': LoRA is not supported in FP8 mode."
+            )
+        self._check_fp8_inputs(inputs)
+        input_dim = self._kernel.shape[0]
+        x = ops.reshape(inputs, (-1, input_dim))
+        y = self._fp8_matmul(
+            x, self._raw_value(self._kernel), recipe, bool(training)
+        )
+        y = ops.reshape(y, tuple(ops.shape(inputs)[:-1]) + (self.units,))
+        if self.bias is not None:
+            y = ops.add(y, self.bias)
+        if self.activation is not None:
+            y = self.activation(y)
+        return y
+
+    def save_own_variables(self, store):
+        if not self.built:
+            return
+        super().save_own_variables(store)
+        self._save_fp8_state(store, start=self._own_variable_count())
+
+    def load_own_variables(self, store):
+        if not self.built:
+            return
+        self._check_load_own_variables(store)
+        self._kernel.assign(store["0"])
+        if self.bias is not None:
+            self.bias.assign(store["1"])
+        self._load_fp8_state(store, start=self._own_variable_count())
+
+    def _own_variable_count(self):
+        return 2 if self.bias is not None else 1
+
+    def get_config(self):
+        config = super().get_config()
+        config["recipe"] = (
+            keras.saving.serialize_keras_object(self.recipe)
+            if self.recipe is not None
+            else None
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if config.get("recipe") is not None:
+            config["recipe"] = recipes.get(config["recipe"])
+        return super().from_config(config)

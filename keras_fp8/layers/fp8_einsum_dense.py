@@ -1,0 +1,172 @@
+"""FP8EinsumDense: `keras.layers.EinsumDense` with FP8 matmuls."""
+
+import math
+import string
+
+import keras
+from keras import ops
+from keras.saving import register_keras_serializable
+
+from keras_fp8 import recipes
+from keras_fp8.layers.fp8_state import FP8StateMixin
+
+
+class MatmulPlan:
+    """How an einsum `x, kernel -> y` becomes one `(M, K) @ (K, N)` matmul.
+
+    Supported: every output axis comes from exactly one operand and every
+    axis shared by `x` and the kernel is contracted (the equations that
+    dense projections use: `"abc,cd->abd"`, `"abc,cde->abde"`,
+    `"abcd,cde->abe"`, `"...b,bc->...c"`).
+    """
+
+    def __init__(self, equation, x_ndim):
+        inputs, _, output = equation.partition("->")
+        x_axes, _, kernel_axes = inputs.partition(",")
+        if "..." in x_axes or "..." in output:
+            spare = [c for c in string.ascii_letters if c not in equation]
+            n_ellipsis = x_ndim - (len(x_axes) - 3)
+            fill = "".join(spare[:n_ellipsis])
+            x_axes = x_axes.replace("...", fill)
+            output = output.replace("...", fill)
+        if "..." in kernel_axes:
+            raise ValueError(
+                f"FP8EinsumDense does not support an ellipsis in the kernel "
+                f"part of the equation. Received: equation={equation!r}"
+            )
+        free_x = [a for a in x_axes if a in output and a not in kernel_axes]
+        contracted = [a for a in x_axes if a in kernel_axes and a not in output]
+        free_kernel = [
+            a for a in kernel_axes if a in output and a not in x_axes
+        ]
+        if sorted(free_x + contracted) != sorted(x_axes) or sorted(
+            contracted + free_kernel
+        ) != sorted(kernel_axes) or sorted(free_x + free_kernel) != sorted(
+            output
+        ):
+            raise ValueError(
+                "FP8EinsumDense needs an equation that is a single matmul: "
+                "each axis shared by the input and the kernel must be "
+                "contracted, and every other axis must appear in the output "
+                f"exactly once. Received: equation={equation!r}"
+            )
+        self.x_perm = [x_axes.index(a) for a in free_x + contracted]
+        self.kernel_perm = [kernel_axes.index(a) for a in contracted + free_kernel]
+        self.n_free_x = len(free_x)
+        self.n_contracted = len(contracted)
+        order = free_x + free_kernel
+        self.output_perm = [order.index(a) for a in output]
+
+    def call(self, matmul, x, kernel):
+        """Runs `matmul(x2d, kernel2d)` and reshapes back to the output."""
+        x_t = ops.transpose(x, self.x_perm)
+        kernel_t = ops.transpose(kernel, self.kernel_perm)
+        x_shape = tuple(ops.shape(x_t))
+        kernel_shape = tuple(kernel_t.shape)
+        k = math.prod(kernel_shape[: self.n_contracted])
+        n = math.prod(kernel_shape[self.n_contracted :])
+        y = matmul(ops.reshape(x_t, (-1, k)), ops.reshape(kernel_t, (k, n)))
+        y = ops.reshape(
+            y,
+            x_shape[: self.n_free_x] + kernel_shape[self.n_contracted :],
+        )
+        return ops.transpose(y, self.output_perm)
+
+
+@register_keras_serializable(package="keras_fp8")
+class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
+    """An einsum projection whose contraction runs as one FP8 matmul.
+
+    Takes exactly the arguments of `keras.layers.EinsumDense`, plus `recipe`.
+    Under an FP8 dtype policy or inside an enabled `keras_fp8.autocast`
+    scope, the input and the kernel are quantized to FP8 and contracted by
+    one FP8 matmul (the operands are transposed/reshaped to `(M, K)` and
+    `(K, N)`); the output gradient is quantized once for both backward
+    matmuls. Otherwise the layer computes exactly what `EinsumDense` does.
+    The FP8 state variables are those of `FP8Dense`.
+
+    Equations whose contraction is not a single matmul (an axis shared by the
+    input, the kernel and the output, i.e. a batched matmul) are rejected in
+    `build` with a ValueError.
+
+    Args:
+        equation, output_shape, activation, bias_axes, kernel_initializer,
+        bias_initializer, kernel_regularizer, bias_regularizer,
+        activity_regularizer, kernel_constraint, bias_constraint, lora_rank,
+        lora_alpha: As in `keras.layers.EinsumDense`.
+        recipe: Optional `keras_fp8.DelayedScaling` / `CurrentScaling`.
+        **kwargs: Base layer keyword arguments, such as `name` and `dtype`.
+
+    Example:
+
+    >>> import keras_fp8
+    >>> layer = keras_fp8.layers.FP8EinsumDense(
+    ...     "abc,cde->abde", output_shape=(None, 4, 8), dtype="fp8_hybrid")
+    >>> layer(np.random.rand(2, 5, 16).astype("float32")).shape
+    (2, 5, 4, 8)
+    """
+
+    def __init__(self, equation, output_shape, *, recipe=None, **kwargs):
+        super().__init__(equation, output_shape, **kwargs)
+        self._init_fp8(recipe)
+
+    def build(self, input_shape):
+        self._plan = MatmulPlan(self.equation, len(input_shape))
+        super().build(input_shape)
+        self._tracker.unlock()
+        self._build_fp8_state()
+        self._tracker.lock()
+
+    def call(self, inputs, training=None):
+        recipe = self._fp8_recipe()
+        if recipe is None:
+            return super().call(inputs, training=training)
+        if self.lora_enabled:
+            raise NotImplementedError(
+                f"Layer '{self.name}': LoRA is not supported in FP8 mode."
+            )
+        self._check_fp8_inputs(inputs)
+
+        def matmul(x2d, kernel2d):
+            return self._fp8_matmul(x2d, kernel2d, recipe, bool(training))
+
+        y = self._plan.call(matmul, inputs, self._raw_value(self._kernel))
+        if self.bias is not None:
+            y = ops.add(y, self.bias)
+        if self.activation is not None:
+            y = self.activation(y)
+        return y
+
+    def save_own_variables(self, store):
+        if not self.built:
+            return
+        super().save_own_variables(store)
+        self._save_fp8_state(store, start=self._own_variable_count())
+
+    def load_own_variables(self, store):
+        if not self.built:
+            return
+        self._check_load_own_variables(store)
+        self._kernel.assign(store["0"])
+        if self.bias is not None:
+            self.bias.assign(store["1"])
+        self._load_fp8_state(store, start=self._own_variable_count())
+
+    def _own_variable_count(self):
+        return 2 if self.bias is not None else 1
+
+    def get_config(self):
+        config = super().get_config()
+        config["recipe"] = (
+            keras.saving.serialize_keras_object(self.recipe)
+            if self.recipe is not None
+            else None
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if config.get("recipe") is not None:
+            config["recipe"] = recipes.get(config["recipe"])
+        return super().from_config(config)

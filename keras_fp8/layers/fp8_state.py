@@ -1,0 +1,239 @@
+"""FP8 state of a layer: Keras variables, the per-call settings, the updates.
+
+Shared by `FP8Dense` and `FP8EinsumDense`. Each FP8 layer owns, per operand
+role (`input`, `kernel`, `grad`), a `{role}_scale` (shape `()`) and a
+`{role}_amax_history` (shape `(H,)`), all float32 and non-trainable; the
+checkpoint is the state.
+
+The output gradient's amax cannot be assigned from inside a backward pass on
+every backend (JAX forbids it), so it travels through the gradient channel:
+`grad_amax_pending` is a trainable `(2,)` variable with
+`overwrite_with_gradient=True`. Its "gradient" is `[amax, token]`; Keras
+optimizers overwrite it with that value instead of applying an update. The
+next training forward folds a fresh pending amax into `grad_amax_history` and
+`grad_scale`. `grad_fold_state = [folds, last_token]` (non-trainable) tells a
+fresh pending value from one already folded: a skipped fp16 step never
+reaches the optimizer's overwrite, and a layer called twice in one step
+folds once. Two uses in one step sum their amaxes (an upper bound of the
+true amax) and never record twice.
+"""
+
+from keras import ops
+from keras.src.backend.common.variables import AutocastScope
+
+from keras_fp8 import autocast as autocast_lib
+from keras_fp8 import backends
+from keras_fp8 import policy as policy_lib
+from keras_fp8 import recipes
+from keras_fp8 import scaling
+
+ROLES = ("input", "kernel", "grad")
+# The order in which the state is saved after the layer's own weights.
+STATE_VARIABLE_NAMES = (
+    "input_scale",
+    "input_amax_history",
+    "kernel_scale",
+    "kernel_amax_history",
+    "grad_scale",
+    "grad_amax_history",
+    "grad_amax_pending",
+    "grad_fold_state",
+)
+# Fold counts wrap here so that tokens stay exact in float32.
+_FOLD_COUNT_PERIOD = 2.0**20
+
+
+class FP8StateMixin:
+    """Creates, resolves and updates the FP8 state of a layer.
+
+    A layer using this mixin calls `_build_fp8_state()` in `build`, and in
+    `call` asks `_fp8_recipe()` whether FP8 is on, then multiplies with
+    `_fp8_matmul(x2d, kernel2d, recipe, training)`.
+    """
+
+    def _init_fp8(self, recipe):
+        self.recipe = recipes.get(recipe) if recipe is not None else None
+
+    def _build_time_recipe(self):
+        if self.recipe is not None:
+            return self.recipe
+        scope = autocast_lib.current()
+        if scope is not None and scope.enabled:
+            return scope.recipe
+        if isinstance(self.dtype_policy, policy_lib.FP8DTypePolicy):
+            return self.dtype_policy.recipe
+        return recipes.DelayedScaling()
+
+    def _build_fp8_state(self):
+        recipe = self._build_time_recipe()
+        history_len = getattr(recipe, "history_len", 1)
+        for role in ROLES:
+            scale = self.add_weight(
+                name=f"{role}_scale",
+                shape=(),
+                initializer="ones",
+                dtype="float32",
+                trainable=False,
+                autocast=False,
+            )
+            history = self.add_weight(
+                name=f"{role}_amax_history",
+                shape=(history_len,),
+                initializer="zeros",
+                dtype="float32",
+                trainable=False,
+                autocast=False,
+            )
+            setattr(self, f"{role}_scale", scale)
+            setattr(self, f"{role}_amax_history", history)
+        self.grad_amax_pending = self.add_weight(
+            name="grad_amax_pending",
+            shape=(2,),
+            initializer="zeros",
+            dtype="float32",
+            trainable=True,
+            autocast=False,
+        )
+        self.grad_amax_pending.overwrite_with_gradient = True
+        self.grad_fold_state = self.add_weight(
+            name="grad_fold_state",
+            shape=(2,),
+            initializer="zeros",
+            dtype="float32",
+            trainable=False,
+            autocast=False,
+        )
+
+    @property
+    def fp8_state_variables(self):
+        """The FP8 state variables, in checkpoint order."""
+        return [getattr(self, name) for name in STATE_VARIABLE_NAMES]
+
+    def _fp8_recipe(self):
+        """The recipe for this call, or None when the layer runs without FP8.
+
+        An active `autocast` scope decides first (its recipe wins); otherwise
+        the layer is FP8 when its dtype policy is an `FP8DTypePolicy`, using
+        the layer's own `recipe` if set, else the policy's.
+        """
+        scope = autocast_lib.current()
+        if scope is not None:
+            return scope.recipe if scope.enabled else None
+        policy = self.dtype_policy
+        if not isinstance(policy, policy_lib.FP8DTypePolicy):
+            return None
+        return self.recipe if self.recipe is not None else policy.recipe
+
+    def _raw_value(self, variable):
+        """The variable's value in its own dtype (no mixed-precision cast)."""
+        with AutocastScope(None):
+            return variable.value
+
+    def _fold_pending_grad_amax(self, recipe, fmt):
+        """Records a fresh pending output-gradient amax (training forward).
+
+        Returns:
+            `(grad_history, grad_scale, emit_token)`: the gradient state this
+            call's backward uses, and the token its backward emits.
+        """
+        pending = ops.stop_gradient(self._raw_value(self.grad_amax_pending))
+        fold_state = self.grad_fold_state.value
+        history = self.grad_amax_history.value
+        scale = self.grad_scale.value
+        amax, token = pending[0], pending[1]
+        folds, last_token = fold_state[0], fold_state[1]
+        fresh = ops.logical_and(
+            ops.greater(token, 0.0), ops.not_equal(token, last_token)
+        )
+        recorded = scaling.record_amax(history, amax, skip_zero=True)
+        new_history = ops.where(fresh, recorded, history)
+        if isinstance(recipe, recipes.CurrentScaling):
+            new_scale = scale
+        else:
+            window = scaling.amax_window(
+                new_history, recipe.amax_compute_algo, recipe.history_len
+            )
+            new_scale = ops.where(
+                fresh, scaling.compute_scale(window, scale, fmt, recipe.margin),
+                scale,
+            )
+        new_folds = ops.where(
+            fresh, ops.mod(folds + 1.0, _FOLD_COUNT_PERIOD), folds
+        )
+        new_last_token = ops.where(fresh, token, last_token)
+        self.grad_amax_history.assign(new_history)
+        self.grad_scale.assign(new_scale)
+        self.grad_fold_state.assign(ops.stack([new_folds, new_last_token]))
+        return new_history, new_scale, new_folds + 1.0
+
+    def _operand_scale(self, role, x, fmt, recipe, training):
+        """Scale for quantizing operand `role`; records its amax if training."""
+        history_var = getattr(self, f"{role}_amax_history")
+        scale_var = getattr(self, f"{role}_scale")
+        amax = scaling.compute_amax(ops.stop_gradient(x))
+        scale_used, new_history, new_scale = scaling.operand_scale(
+            amax,
+            history_var.value,
+            scale_var.value,
+            fmt,
+            recipe,
+            record=training,
+        )
+        if training:
+            history_var.assign(new_history)
+            scale_var.assign(new_scale)
+        return ops.stop_gradient(scale_used)
+
+    def _fp8_matmul(self, x, kernel, recipe, training):
+        """`x @ kernel` with FP8 operands; updates the FP8 state if training.
+
+        Args:
+            x: `(M, K)` tensor in the compute dtype.
+            kernel: `(K, N)` float32 kernel (the variable's own value).
+            recipe: The call's recipe.
+            training: Whether to record amaxes and fold the gradient amax.
+
+        Returns:
+            `(M, N)` tensor in `x`'s dtype.
+        """
+        fwd_fmt, bwd_fmt = recipe.forward_format, recipe.backward_format
+        x_scale = self._operand_scale("input", x, fwd_fmt, recipe, training)
+        kernel_scale = self._operand_scale(
+            "kernel", kernel, fwd_fmt, recipe, training
+        )
+        if training:
+            grad_history, grad_scale, emit_token = self._fold_pending_grad_amax(
+                recipe, bwd_fmt
+            )
+        else:
+            grad_history = self.grad_amax_history.value
+            grad_scale = self.grad_scale.value
+            emit_token = ops.zeros((), "float32")
+        return backends.get().fp8_matmul(
+            x,
+            kernel,
+            self._raw_value(self.grad_amax_pending),
+            x_scale,
+            kernel_scale,
+            ops.stop_gradient(grad_scale),
+            ops.stop_gradient(grad_history),
+            ops.stop_gradient(emit_token),
+            recipe=recipe,
+        )
+
+    def _check_fp8_inputs(self, inputs):
+        dtype = ops.dtype(inputs) if hasattr(inputs, "dtype") else None
+        if dtype is None or "float" not in str(dtype):
+            raise ValueError(
+                f"Layer '{self.name}' ({type(self).__name__}) computes in FP8 "
+                "and expects floating-point inputs. "
+                f"Received: inputs.dtype={dtype}"
+            )
+
+    def _save_fp8_state(self, store, start):
+        for i, variable in enumerate(self.fp8_state_variables):
+            store[str(start + i)] = variable
+
+    def _load_fp8_state(self, store, start):
+        for i, variable in enumerate(self.fp8_state_variables):
+            variable.assign(store[str(start + i)])

@@ -1,0 +1,248 @@
+"""FP8 dtype policies and their registration with Keras.
+
+After `import keras_fp8`, the names below work wherever Keras takes a dtype
+policy name (`keras.mixed_precision.set_global_policy`, `Layer(dtype=...)`,
+`keras.dtype_policies.get`, and `.keras` reloads):
+
+| name                  | compute  | variables | formats (fwd / grad) |
+|-----------------------|----------|-----------|----------------------|
+| `fp8_hybrid`          | bfloat16 | float32   | E4M3 / E5M2          |
+| `fp8_hybrid_float16`  | float16  | float32   | E4M3 / E5M2          |
+| `fp8_e4m3`            | bfloat16 | float32   | E4M3 / E4M3          |
+| `fp8_e4m3_float16`    | float16  | float32   | E4M3 / E4M3          |
+
+Layers that are not FP8 layers run under an FP8 policy exactly as under
+`mixed_bfloat16` (or `mixed_float16`): the policy's `quantization_mode` is
+None, so Keras never routes them to a quantized call.
+
+Non-default recipe settings are part of the policy name, e.g.
+`"fp8_hybrid[history_len=16,amax_compute_algo=most_recent]"` or
+`"fp8_hybrid[scaling=current,margin=1.0]"`, because Keras rebuilds a
+deserialized policy from its name alone.
+"""
+
+import keras
+from keras.saving import register_keras_serializable
+from keras.src.dtype_policies import dtype_policy as keras_dtype_policy
+
+from keras_fp8 import recipes
+
+# name -> (compute dtype, fp8_format)
+POLICY_NAMES = {
+    "fp8_hybrid": ("bfloat16", "hybrid"),
+    "fp8_hybrid_float16": ("float16", "hybrid"),
+    "fp8_e4m3": ("bfloat16", "e4m3"),
+    "fp8_e4m3_float16": ("float16", "e4m3"),
+}
+_PREFIX = "fp8"
+
+
+def is_fp8_policy_name(name):
+    """True for names keras_fp8 owns: `"fp8"` and anything starting `"fp8_"`."""
+    return isinstance(name, str) and (
+        name == _PREFIX or name.startswith(_PREFIX + "_")
+    )
+
+
+def _format_value(value):
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _encode_recipe(recipe):
+    """Encodes the non-default fields of `recipe` (fp8_format excluded)."""
+    default = type(recipe)(fp8_format=recipe.fp8_format)
+    items = []
+    if isinstance(recipe, recipes.CurrentScaling):
+        items.append("scaling=current")
+    for key, value in recipe.get_config().items():
+        if key != "fp8_format" and value != getattr(default, key):
+            items.append(f"{key}={_format_value(value)}")
+    return f"[{','.join(items)}]" if items else ""
+
+
+def _parse_value(key, text):
+    if key == "history_len":
+        return int(text)
+    if key == "margin":
+        return float(text)
+    return text
+
+
+def _decode_name(name):
+    """Splits `"fp8_hybrid[history_len=16]"` into its base and its recipe."""
+    base, _, settings = name.partition("[")
+    if base not in POLICY_NAMES:
+        raise ValueError(
+            f"Unknown FP8 dtype policy name {name!r}. Valid names: "
+            f"{sorted(POLICY_NAMES)}, optionally followed by recipe settings "
+            "such as '[history_len=16,margin=1.0]'."
+        )
+    fp8_format = POLICY_NAMES[base][1]
+    kwargs = {}
+    scaling = "delayed"
+    if settings:
+        if not settings.endswith("]"):
+            raise ValueError(
+                f"Malformed FP8 dtype policy name {name!r}: expected settings "
+                "of the form '[key=value,...]'."
+            )
+        for item in filter(None, settings[:-1].split(",")):
+            key, sep, text = item.partition("=")
+            if not sep:
+                raise ValueError(
+                    f"Malformed setting {item!r} in FP8 dtype policy name "
+                    f"{name!r}: expected 'key=value'."
+                )
+            key = key.strip()
+            if key == "scaling":
+                scaling = text.strip()
+                continue
+            try:
+                kwargs[key] = _parse_value(key, text.strip())
+            except ValueError:
+                raise ValueError(
+                    f"Invalid value {text!r} for {key!r} in FP8 dtype policy "
+                    f"name {name!r}."
+                ) from None
+    if scaling not in recipes.RECIPES:
+        raise ValueError(
+            f"Invalid scaling {scaling!r} in FP8 dtype policy name {name!r}. "
+            f"Expected one of {sorted(recipes.RECIPES)}."
+        )
+    try:
+        recipe = recipes.RECIPES[scaling](fp8_format=fp8_format, **kwargs)
+    except TypeError as e:
+        raise ValueError(
+            f"Invalid settings in FP8 dtype policy name {name!r}: {e}"
+        ) from None
+    return base, recipe
+
+
+@register_keras_serializable(package="keras_fp8")
+class FP8DTypePolicy(keras.DTypePolicy):
+    """A dtype policy that runs FP8 layers in FP8 and the rest in mixed precision.
+
+    Compute dtype bfloat16 (or float16 for the `*_float16` names), variables
+    float32. `FP8Dense` and `FP8EinsumDense` layers under this policy quantize
+    their matmul operands to FP8 following `recipe`; every other layer behaves
+    as under `mixed_bfloat16` / `mixed_float16`.
+
+    Args:
+        name: One of `"fp8_hybrid"`, `"fp8_hybrid_float16"`, `"fp8_e4m3"`,
+            `"fp8_e4m3_float16"`, optionally with encoded recipe settings
+            (the `name` of another `FP8DTypePolicy`).
+        recipe: Optional `DelayedScaling` or `CurrentScaling`. Its
+            `fp8_format` must agree with the name; its other settings are
+            encoded into the policy's `name`.
+
+    Example:
+
+    >>> import keras_fp8
+    >>> keras.mixed_precision.set_global_policy("fp8_hybrid")
+    >>> policy = keras_fp8.FP8DTypePolicy(
+    ...     "fp8_hybrid", recipe=keras_fp8.DelayedScaling(history_len=16))
+    >>> policy.name
+    'fp8_hybrid[history_len=16]'
+    """
+
+    def __init__(self, name=None, recipe=None):
+        if name is None:
+            name = "fp8_hybrid"
+        base, name_recipe = _decode_name(name)
+        if recipe is not None:
+            recipe = recipes.get(recipe)
+            if recipe.fp8_format != name_recipe.fp8_format:
+                raise ValueError(
+                    f"The recipe's fp8_format={recipe.fp8_format!r} does not "
+                    f"match the policy {base!r} (fp8_format="
+                    f"{name_recipe.fp8_format!r})."
+                )
+            if "[" in name and recipe != name_recipe:
+                raise ValueError(
+                    f"Conflicting settings: the policy name {name!r} encodes "
+                    f"{name_recipe}, but recipe={recipe} was also given."
+                )
+        else:
+            recipe = name_recipe
+        self._base_name = base
+        self._recipe = recipe
+        self._name = base + _encode_recipe(recipe)
+        self._compute_dtype = POLICY_NAMES[base][0]
+        self._variable_dtype = "float32"
+        self._quantization_mode = None
+
+    @property
+    def recipe(self):
+        """The scaling recipe FP8 layers use under this policy."""
+        return self._recipe
+
+    @property
+    def fp8_format(self):
+        return self._recipe.fp8_format
+
+    @property
+    def base_name(self):
+        """The name without recipe settings, e.g. `"fp8_hybrid"`."""
+        return self._base_name
+
+    @property
+    def mixed_precision_name(self):
+        """The Keras policy non-FP8 layers behave as (`mixed_bfloat16`...)."""
+        return "mixed_" + self._compute_dtype
+
+    def __eq__(self, other):
+        return isinstance(other, FP8DTypePolicy) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def __repr__(self):
+        return f'<FP8DTypePolicy "{self._name}">'
+
+
+def _dtype_policy_new(cls, *args, **kwargs):
+    """`DTypePolicy.__new__`: routes FP8 names to `FP8DTypePolicy`.
+
+    Keras builds `DTypePolicy(name)` for every policy name outside its own
+    quantization prefixes and offers no registration hook, so this one place
+    covers `set_global_policy`, `dtype_policies.get`, `Layer(dtype=...)` and
+    deserialization alike. Python then runs `FP8DTypePolicy.__init__` with
+    the same arguments.
+    """
+    if cls in (keras_dtype_policy.DTypePolicy, keras_dtype_policy.FloatDTypePolicy):
+        name = args[0] if args else kwargs.get("name")
+        if is_fp8_policy_name(name):
+            return object.__new__(FP8DTypePolicy)
+    return object.__new__(cls)
+
+
+def register():
+    """Installs the FP8 policy names into Keras (idempotent; done at import)."""
+    keras_dtype_policy.DTypePolicy.__new__ = staticmethod(_dtype_policy_new)
+
+
+def get(identifier):
+    """Returns the FP8 policy for `identifier` (a name, policy or None).
+
+    Args:
+        identifier: An `FP8DTypePolicy`, an FP8 policy name, or None for the
+            current global policy (which must then be an FP8 policy).
+
+    Returns:
+        An `FP8DTypePolicy`.
+    """
+    if identifier is None:
+        identifier = keras.config.dtype_policy()
+    if isinstance(identifier, FP8DTypePolicy):
+        return identifier
+    if isinstance(identifier, str):
+        if not is_fp8_policy_name(identifier):
+            raise ValueError(
+                f"Expected an FP8 dtype policy name, one of "
+                f"{sorted(POLICY_NAMES)}. Received: policy={identifier!r}"
+            )
+        return FP8DTypePolicy(identifier)
+    raise ValueError(
+        "Expected an FP8 dtype policy (name or FP8DTypePolicy). "
+        f"Received: policy={identifier!r}"
+    )

@@ -1,0 +1,192 @@
+"""FP8 formats and scaling recipes: plain data, no tensors.
+
+A recipe says how a layer picks the scale of each FP8 operand. It is separate
+from the layers that use it (as in TransformerEngine), serializable with
+`get_config`, and the same on every backend.
+"""
+
+import dataclasses
+
+from keras.saving import register_keras_serializable
+
+E4M3 = "e4m3"
+E5M2 = "e5m2"
+
+# Largest finite value of each FP8 format (float8_e4m3fn and float8_e5m2).
+FORMAT_MAX = {E4M3: 448.0, E5M2: 57344.0}
+# The element dtype name of each format, as `keras.ops` and ml_dtypes spell it.
+FORMAT_DTYPE = {E4M3: "float8_e4m3fn", E5M2: "float8_e5m2"}
+
+# fp8_format -> (forward format, backward format). HYBRID follows
+# TransformerEngine: E4M3's extra mantissa bit for activations and weights,
+# E5M2's range for gradients.
+FP8_FORMATS = {
+    "hybrid": (E4M3, E5M2),
+    "e4m3": (E4M3, E4M3),
+}
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+def _check_fp8_format(fp8_format):
+    if fp8_format not in FP8_FORMATS:
+        raise ValueError(
+            "Invalid `fp8_format`. Expected one of "
+            f"{sorted(FP8_FORMATS)}. Received: fp8_format={fp8_format!r}"
+        )
+
+
+def _check_margin(margin):
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+        raise ValueError(
+            "Invalid `margin`. Expected a number >= 0. "
+            f"Received: margin={margin!r}"
+        )
+    if not margin >= 0:
+        raise ValueError(
+            f"Invalid `margin`. Expected a number >= 0. Received: margin={margin}"
+        )
+
+
+class Recipe:
+    """Base class of the scaling recipes.
+
+    Subclasses are frozen dataclasses; `forward_format` and `backward_format`
+    name the FP8 element format of the forward operands (input, kernel) and of
+    the output gradient.
+    """
+
+    name = None
+
+    @property
+    def forward_format(self):
+        return FP8_FORMATS[self.fp8_format][0]
+
+    @property
+    def backward_format(self):
+        return FP8_FORMATS[self.fp8_format][1]
+
+    def get_config(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def replace(self, **changes):
+        """Returns a copy of this recipe with `changes` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+@register_keras_serializable(package="keras_fp8")
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Delayed scaling: each call uses a scale computed from earlier amaxes.
+
+    The scale used at call `t` comes only from the amaxes recorded before call
+    `t` (the first call seeds the history with its own amax); after quantizing,
+    the call's amax is recorded in a history of `history_len` entries, newest
+    first. This is TransformerEngine's default recipe: no extra pass over the
+    tensor before quantizing.
+
+    Args:
+        history_len: Number of amaxes kept per operand. Must be >= 1.
+        margin: The scale is divided by `2**margin` (headroom). Must be >= 0.
+        amax_compute_algo: `"max"` (max over the history) or `"most_recent"`
+            (the newest entry).
+        fp8_format: `"hybrid"` (E4M3 forward, E5M2 output gradient) or
+            `"e4m3"` (E4M3 both ways).
+
+    Example:
+
+    >>> recipe = DelayedScaling(history_len=16, amax_compute_algo="max")
+    >>> recipe.forward_format, recipe.backward_format
+    ('e4m3', 'e5m2')
+    """
+
+    history_len: int = 1024
+    margin: float = 0.0
+    amax_compute_algo: str = "max"
+    fp8_format: str = "hybrid"
+
+    name = "delayed"
+
+    def __post_init__(self):
+        if (
+            isinstance(self.history_len, bool)
+            or not isinstance(self.history_len, int)
+            or self.history_len <= 0
+        ):
+            raise ValueError(
+                "Invalid `history_len`. Expected an integer >= 1. "
+                f"Received: history_len={self.history_len!r}"
+            )
+        _check_margin(self.margin)
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                "Invalid `amax_compute_algo`. Expected one of "
+                f"{list(AMAX_COMPUTE_ALGOS)}. "
+                f"Received: amax_compute_algo={self.amax_compute_algo!r}"
+            )
+        _check_fp8_format(self.fp8_format)
+
+
+@register_keras_serializable(package="keras_fp8")
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling(Recipe):
+    """Current (dynamic) scaling: the scale comes from the tensor itself.
+
+    Each call computes the amax of the tensor it is about to quantize and
+    derives the scale from it in the same call. No history is used; the layer
+    still records the scale it used in its `{role}_scale` variable.
+
+    Args:
+        margin: The scale is divided by `2**margin`. Must be >= 0.
+        fp8_format: `"hybrid"` or `"e4m3"`.
+
+    Example:
+
+    >>> CurrentScaling(margin=1).get_config()
+    {'margin': 1, 'fp8_format': 'hybrid'}
+    """
+
+    margin: float = 0.0
+    fp8_format: str = "hybrid"
+
+    name = "current"
+
+    def __post_init__(self):
+        _check_margin(self.margin)
+        _check_fp8_format(self.fp8_format)
+
+
+RECIPES = {"delayed": DelayedScaling, "current": CurrentScaling}
+
+
+def get(identifier):
+    """Returns a recipe from a recipe, a config dict, a name, or None.
+
+    Args:
+        identifier: A `Recipe`, `None` (the default `DelayedScaling()`), one of
+            `"delayed"`/`"current"`, or a dict as returned by
+            `keras.saving.serialize_keras_object(recipe)`.
+
+    Returns:
+        A `Recipe` instance.
+    """
+    if identifier is None:
+        return DelayedScaling()
+    if isinstance(identifier, Recipe):
+        return identifier
+    if isinstance(identifier, str) and identifier in RECIPES:
+        return RECIPES[identifier]()
+    if isinstance(identifier, dict):
+        from keras.saving import deserialize_keras_object
+
+        recipe = deserialize_keras_object(identifier)
+        if isinstance(recipe, Recipe):
+            return recipe
+    raise ValueError(
+        "Invalid `recipe`. Expected a keras_fp8.recipes.DelayedScaling or "
+        "CurrentScaling instance, one of "
+        f"{sorted(RECIPES)}, or None. Received: recipe={identifier!r}"
+    )
