@@ -1,0 +1,123 @@
+// pybind11 bindings. Argument checks live here so that every error names the
+// argument; torch_ops/_ops.py wraps these in torch.library custom ops.
+
+#include <ATen/ATen.h>
+#include <torch/extension.h>
+
+#include <tuple>
+
+namespace torch_ops {
+void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int scale_mode, const at::Tensor& scale_in,
+                     const at::Tensor& scale_used, const at::Tensor& amax_out, const at::Tensor& history,
+                     const at::Tensor& scale_state, const at::Tensor& hist_for_empty, const at::Tensor& q,
+                     long long ldq, const at::Tensor& qt, long long ldqt, int algo, double mdiv, bool skip_zero);
+void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt, int algo,
+                        double mdiv, bool skip_zero);
+at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
+                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum);
+}  // namespace torch_ops
+
+namespace {
+
+using Out4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+long long round16(long long v) { return (v + 15) / 16 * 16; }
+
+at::ScalarType fp8_of(int fmt) { return fmt == 1 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn; }
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda(), "x: expected a CUDA tensor, got device ", x.device());
+  TORCH_CHECK(x.dim() == 2, "x: expected a 2-D (rows, cols) tensor here, got ", x.dim(), "-D");
+  TORCH_CHECK(x.is_contiguous(), "x: expected a contiguous tensor");
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kFloat,
+              "x: expected bfloat16, float16 or float32, got ", t);
+}
+
+void check_f32(const at::Tensor& t, const char* name, const at::Tensor& x, bool scalar) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": expected float32, got ", t.scalar_type());
+  TORCH_CHECK(t.device() == x.device(), name, ": expected device ", x.device(), ", got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+  if (scalar) {
+    TORCH_CHECK(t.numel() == 1, name, ": expected one element, got shape ", t.sizes());
+  } else {
+    TORCH_CHECK(t.dim() == 1, name, ": expected shape (H,), got ", t.sizes());
+  }
+}
+
+// Allocates q (R, ldq) and qt (C, ldqt) (empty when not requested).
+std::tuple<at::Tensor, long long, at::Tensor, long long> alloc_outputs(const at::Tensor& x, int fmt, bool transpose,
+                                                                       bool pad, bool write_q) {
+  const long long R = x.size(0), C = x.size(1);
+  const auto opts = x.options().dtype(fp8_of(fmt));
+  long long ldq = pad ? round16(C) : C, ldqt = pad ? round16(R) : R;
+  at::Tensor q = write_q ? at::empty({R, ldq}, opts) : at::empty({0}, opts);
+  at::Tensor qt = transpose ? at::empty({C, ldqt}, opts) : at::empty({0}, opts);
+  return {q, ldq, qt, ldqt};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tensor& scale, int fmt,
+                                                        bool transpose, bool pad, bool write_q) {
+  check_x(x);
+  check_f32(scale, "scale", x, true);
+  auto [q, ldq, qt, ldqt] = alloc_outputs(x, fmt, transpose, pad, write_q);
+  at::Tensor amax = at::empty({}, x.options().dtype(at::kFloat));
+  at::Tensor none;
+  torch_ops::quantize_launch(x, x.size(0), x.size(1), fmt, 0, scale, scale, amax, none, none, none,
+                             write_q ? q : none, ldq, transpose ? qt : none, ldqt, 0, 1.0, false);
+  return {q, qt, amax};
+}
+
+Out4 quantize_delayed(const at::Tensor& x, const at::Tensor& history, const at::Tensor& scale, int fmt, double mdiv,
+                      int algo, bool transpose, bool record, bool pad, bool write_q) {
+  check_x(x);
+  check_f32(history, "amax_history", x, false);
+  check_f32(scale, "scale", x, true);
+  auto [q, ldq, qt, ldqt] = alloc_outputs(x, fmt, transpose, pad, write_q);
+  at::Tensor amax = at::empty({}, x.options().dtype(at::kFloat));
+  at::Tensor scale_used = at::empty({}, x.options().dtype(at::kFloat));
+  at::Tensor none;
+  torch_ops::quantize_launch(x, x.size(0), x.size(1), fmt, 1, scale, scale_used, amax, record ? history : none,
+                             record ? scale : none, history, write_q ? q : none, ldq, transpose ? qt : none, ldqt,
+                             algo, mdiv, false);
+  return {q, qt, scale_used, amax};
+}
+
+Out4 quantize_current(const at::Tensor& x, const c10::optional<at::Tensor>& prev_scale, int fmt, double mdiv,
+                      bool transpose, bool pad, bool write_q) {
+  check_x(x);
+  at::Tensor prev;
+  if (prev_scale.has_value() && prev_scale->defined()) {
+    check_f32(*prev_scale, "prev_scale", x, true);
+    prev = *prev_scale;
+  }
+  auto [q, ldq, qt, ldqt] = alloc_outputs(x, fmt, transpose, pad, write_q);
+  at::Tensor amax = at::empty({}, x.options().dtype(at::kFloat));
+  at::Tensor scale_used = at::empty({}, x.options().dtype(at::kFloat));
+  at::Tensor none;
+  torch_ops::quantize_launch(x, x.size(0), x.size(1), fmt, 2, prev, scale_used, amax, none, none, none,
+                             write_q ? q : none, ldq, transpose ? qt : none, ldqt, 0, mdiv, false);
+  return {q, qt, scale_used, amax};
+}
+
+void record_amax(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt, double mdiv,
+                 int algo, bool skip_zero) {
+  TORCH_CHECK(history.is_cuda(), "amax_history: expected a CUDA tensor, got device ", history.device());
+  check_f32(history, "amax_history", history, false);
+  check_f32(scale, "scale", history, true);
+  check_f32(amax, "amax", history, true);
+  torch_ops::record_amax_launch(history, scale, amax, fmt, algo, mdiv, skip_zero);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "keras-fp8 torch_ops CUDA kernels (fused FP8 quantize, cuBLASLt FP8 GEMM)";
+  m.def("quantize", &quantize, "x, scale, fmt, transpose, pad, write_q -> (q, qt, amax)");
+  m.def("quantize_delayed", &quantize_delayed,
+        "x, history, scale, fmt, mdiv, algo, transpose, record, pad, write_q -> (q, qt, scale_used, amax)");
+  m.def("quantize_current", &quantize_current,
+        "x, prev_scale, fmt, mdiv, transpose, pad, write_q -> (q, qt, scale_used, amax)");
+  m.def("record_amax", &record_amax, "history, scale, amax, fmt, mdiv, algo, skip_zero");
+  m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
+}

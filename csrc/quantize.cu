@@ -1,0 +1,482 @@
+// Fused FP8 quantize kernels: cast (+ optional transpose) + amax + (delayed
+// scaling) history shift and next scale, finalized on device by the last block.
+//
+// Numerics follow DESIGN.md exactly (the emulation in torch_ops/emulation.py is
+// the reference): q = cvt_rn_satfinite(float(x) / scale) with IEEE division
+// (this file must not be built with --use_fast_math), NaN stays NaN, +-inf
+// saturates to +-max. amax is a max over the float bits of |x| as unsigned
+// ints: for non-negative floats that order is the float order, and NaN bits
+// (> 0x7f800000) win over inf, so NaN and inf propagate without special cases.
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include "common.h"
+
+namespace torch_ops {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileR = 64;    // input rows per tile
+constexpr int kTileC = 128;   // input cols per tile
+constexpr int kSmemStride = kTileC + 8;  // bytes; keeps 8-byte alignment of rows
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ unsigned abs_bits(float v) {
+  return __float_as_uint(v) & 0x7fffffffu;
+}
+
+// Two floats -> two fp8 bytes (a in the low byte). Division is IEEE.
+template <bool kE5M2>
+__device__ __forceinline__ unsigned short q2(float a, float b, float s) {
+  float2 v = make_float2(a / s, b / s);
+  return __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, kE5M2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+// Load 8 consecutive elements as floats (16 bytes for bf16/fp16: one load;
+// 32 bytes for fp32: two loads).
+template <typename T>
+struct Vec8;
+template <>
+struct Vec8<__nv_bfloat16> {
+  static __device__ __forceinline__ void load(const __nv_bfloat16* p, float* f) {
+    uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 t = __bfloat1622float2(h[i]);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+};
+template <>
+struct Vec8<__half> {
+  static __device__ __forceinline__ void load(const __half* p, float* f) {
+    uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 t = __half22float2(h[i]);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+};
+template <>
+struct Vec8<float> {
+  static __device__ __forceinline__ void load(const float* p, float* f) {
+    float4 a = reinterpret_cast<const float4*>(p)[0];
+    float4 b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  }
+};
+
+struct Finalize {
+  unsigned* ws;            // [0] amax bits, [1] block counter (zeroed by the host per call)
+  float* amax_out;         // 0-d, may be null
+  float* history;          // null: do not record
+  long long H;
+  float* scale_state;      // next scale is written here when recording
+  const float* scale_used; // the scale this call quantized with
+  int algo;                // 0 max, 1 most_recent
+  float fmax;
+  float mdiv;              // 2**margin as float32
+  int skip_zero;
+};
+
+__device__ __forceinline__ float compute_scale(float window, float prev, float fmax, float mdiv) {
+  if (isfinite(window) && window > 0.f) return (window / fmax) / mdiv;
+  return prev;
+}
+
+__device__ __forceinline__ unsigned block_reduce_max(unsigned v, unsigned* smem) {
+  v = __reduce_max_sync(0xffffffffu, v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // smem may be in use by a previous reduction
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    unsigned w = lane < (int)(blockDim.x >> 5) ? smem[lane] : 0u;
+    w = __reduce_max_sync(0xffffffffu, w);
+    if (lane == 0) smem[0] = w;
+  }
+  __syncthreads();
+  unsigned r = smem[0];
+  return r;
+}
+
+// History update by all threads of one block: shift toward higher index,
+// write slot 0, then next scale from the window. Only called when recording.
+__device__ void record_in_block(float amax, const Finalize& f, unsigned* smem) {
+  bool ok = isfinite(amax);
+  if (f.skip_zero) ok = ok && amax > 0.f;
+  const long long H = f.H;
+  if (ok && H > 0) {
+    // Descending chunks: each chunk is read completely before it is written,
+    // and the element it overwrites above has already moved.
+    const long long B = blockDim.x;
+    for (long long base = ((H - 2) / B) * B; base >= 0; base -= B) {
+      long long i = base + threadIdx.x;
+      float v = 0.f;
+      bool mv = i < H - 1;
+      if (mv) v = f.history[i];
+      __syncthreads();
+      if (mv) f.history[i + 1] = v;
+      __syncthreads();
+      if (base == 0) break;
+    }
+    if (threadIdx.x == 0) f.history[0] = amax;
+    __syncthreads();
+  }
+  float window;
+  if (f.algo == 1) {
+    window = H > 0 ? f.history[0] : 0.f;
+  } else {
+    unsigned m = 0u;
+    for (long long i = threadIdx.x; i < H; i += blockDim.x) {
+      // As torch.amax: NaN wins (its bits are above inf's). A negative entry
+      // (never written by us) counts as 0: either way the window is not > 0.
+      const float h = f.history[i];
+      const unsigned b = __float_as_uint(h);
+      m = max(m, isnan(h) ? 0x7fc00000u : ((b & 0x80000000u) ? 0u : b));
+    }
+    m = block_reduce_max(m, smem);
+    window = __uint_as_float(m);
+  }
+  if (threadIdx.x == 0) *f.scale_state = compute_scale(window, *f.scale_used, f.fmax, f.mdiv);
+}
+
+// Called by every block at its end with the block's amax bits (thread 0's
+// value is the block max). The last block finalizes.
+__device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem) {
+  __shared__ bool is_last;
+  if (threadIdx.x == 0) {
+    if (block_max) atomicMax(&f.ws[0], block_max);
+    __threadfence();
+    unsigned prev = atomicAdd(&f.ws[1], 1u);
+    is_last = (prev == gridDim.x * gridDim.y - 1);
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  float amax = __uint_as_float(atomicAdd(&f.ws[0], 0u));
+  if (threadIdx.x == 0 && f.amax_out) *f.amax_out = amax;
+  if (f.history) record_in_block(amax, f, smem);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    f.ws[0] = 0u;
+    f.ws[1] = 0u;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Pre-pass: amax only, then scale_used = compute_scale(amax, prev).
+// Delayed mode: every block first checks whether the history is empty
+// (max == 0); if not, the blocks exit at once and block 0 copies the state
+// scale into scale_used.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) amax_prepass_kernel(
+    const T* __restrict__ x, long long n, bool vec, const float* history, long long H, bool delayed,
+    const float* prev_scale, float* scale_used, unsigned* ws, float fmax, float mdiv) {
+  __shared__ unsigned smem[32];
+  if (delayed) {
+    unsigned m = 0u;
+    for (long long i = threadIdx.x; i < H; i += blockDim.x) m = max(m, abs_bits(history[i]) ? 1u : 0u);
+    // max(history) == 0 <=> every entry is +-0 (we only record >= 0 values;
+    // a negative or NaN entry makes max != 0 too, so any nonzero bit pattern counts).
+    m = block_reduce_max(m, smem);
+    if (m) {
+      if (blockIdx.x == 0 && threadIdx.x == 0) *scale_used = *prev_scale;
+      return;
+    }
+  }
+  unsigned local = 0u;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  if (vec) {
+    const long long nv = n / 8;
+    for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < nv; v += stride) {
+      float f[8];
+      Vec8<T>::load(x + v * 8, f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) local = max(local, abs_bits(f[i]));
+    }
+    for (long long i = nv * 8 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+      local = max(local, abs_bits(to_f32(x[i])));
+  } else {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+      local = max(local, abs_bits(to_f32(x[i])));
+  }
+  unsigned bm = block_reduce_max(local, smem);
+  __shared__ bool is_last;
+  if (threadIdx.x == 0) {
+    if (bm) atomicMax(&ws[0], bm);
+    __threadfence();
+    unsigned prev = atomicAdd(&ws[1], 1u);
+    is_last = (prev == gridDim.x - 1);
+  }
+  __syncthreads();
+  if (is_last && threadIdx.x == 0) {
+    __threadfence();
+    float a = __uint_as_float(atomicAdd(&ws[0], 0u));
+    float prev = prev_scale ? *prev_scale : 1.0f;
+    *scale_used = compute_scale(a, prev, fmax, mdiv);
+    ws[0] = 0u;
+    ws[1] = 0u;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Flat kernel: no transpose, no padding (q contiguous like x), q may be null
+// (amax/history only).
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kThreads) quant_flat_kernel(
+    const T* __restrict__ x, long long n, bool vec, uint8_t* __restrict__ q, Finalize f) {
+  __shared__ unsigned smem[32];
+  const float s = *f.scale_used;
+  unsigned local = 0u;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  long long start_scalar = 0;
+  if (vec) {
+    const long long nv = n / 8;
+    for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < nv; v += stride) {
+      float e[8];
+      Vec8<T>::load(x + v * 8, e);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[i]));
+      if (q) {
+        uint2 o;
+        o.x = (unsigned)q2<kE5M2>(e[0], e[1], s) | ((unsigned)q2<kE5M2>(e[2], e[3], s) << 16);
+        o.y = (unsigned)q2<kE5M2>(e[4], e[5], s) | ((unsigned)q2<kE5M2>(e[6], e[7], s) << 16);
+        reinterpret_cast<uint2*>(q)[v] = o;
+      }
+    }
+    start_scalar = nv * 8;
+  }
+  for (long long i = start_scalar + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    float e = to_f32(x[i]);
+    local = max(local, abs_bits(e));
+    if (q) q[i] = (uint8_t)(q2<kE5M2>(e, 0.f, s) & 0xff);
+  }
+  unsigned bm = block_reduce_max(local, smem);
+  block_done(bm, f, smem);
+}
+
+// ---------------------------------------------------------------------------
+// Tile kernel: q (R, ldq >= C) and/or qt (C, ldqt >= R), padding columns
+// written as zero bytes. Tiles of 64 x 128 input elements; the transpose goes
+// through shared memory.
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kThreads) quant_tile_kernel(
+    const T* __restrict__ x, long long R, long long C, bool vec, uint8_t* __restrict__ q, long long ldq,
+    uint8_t* __restrict__ qt, long long ldqt, Finalize f) {
+  __shared__ unsigned smem[32];
+  __shared__ __align__(16) uint8_t tile[kTileR * kSmemStride];
+  const float s = *f.scale_used;
+  const long long r0 = (long long)blockIdx.y * kTileR;
+  const long long c0 = (long long)blockIdx.x * kTileC;
+  unsigned local = 0u;
+
+#pragma unroll
+  for (int it = 0; it < (kTileR * kTileC / 8) / kThreads; ++it) {
+    const int slot = threadIdx.x + it * kThreads;
+    const int lr = slot / (kTileC / 8);
+    const int lv = slot % (kTileC / 8);
+    const long long r = r0 + lr;
+    const long long c = c0 + lv * 8;
+    float e[8];
+    if (vec && r < R && c + 8 <= C) {
+      Vec8<T>::load(x + r * C + c, e);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) e[i] = (r < R && c + i < C) ? to_f32(x[r * C + c + i]) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[i]));
+    uint2 o;
+    o.x = (unsigned)q2<kE5M2>(e[0], e[1], s) | ((unsigned)q2<kE5M2>(e[2], e[3], s) << 16);
+    o.y = (unsigned)q2<kE5M2>(e[4], e[5], s) | ((unsigned)q2<kE5M2>(e[6], e[7], s) << 16);
+    // Elements outside x are padding: exact zero bytes, whatever the scale.
+    if (!(r < R && c + 8 <= C)) {
+      uint8_t* ob = reinterpret_cast<uint8_t*>(&o);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (!(r < R && c + i < C)) ob[i] = 0;
+    }
+    if (q && r < R) {
+      if (c + 8 <= ldq && (ldq & 7) == 0) {
+        *reinterpret_cast<uint2*>(q + r * ldq + c) = o;
+      } else {
+        const uint8_t* ob = reinterpret_cast<const uint8_t*>(&o);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (c + i < ldq) q[r * ldq + c + i] = ob[i];
+      }
+    }
+    if (qt) *reinterpret_cast<uint2*>(tile + lr * kSmemStride + lv * 8) = o;
+  }
+
+  if (qt) {
+    __syncthreads();
+    // qt tile: kTileC output rows (input cols), kTileR bytes each = 4 chunks of 16.
+#pragma unroll
+    for (int it = 0; it < (kTileC * (kTileR / 16)) / kThreads; ++it) {
+      const int slot = threadIdx.x + it * kThreads;
+      const int k = slot / kTileC;  // chunk index: constant within a warp (no bank conflicts)
+      const int oc = slot % kTileC;
+      const long long orow = c0 + oc;   // row of qt = column of x
+      const long long ocol = r0 + k * 16;  // first column of qt = row of x
+      if (orow >= C) continue;
+      uint8_t b[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) b[i] = tile[(k * 16 + i) * kSmemStride + oc];
+      if (ocol + 16 <= ldqt && (ldqt & 15) == 0) {
+        *reinterpret_cast<uint4*>(qt + orow * ldqt + ocol) = *reinterpret_cast<const uint4*>(b);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+          if (ocol + i < ldqt) qt[orow * ldqt + ocol + i] = b[i];
+      }
+    }
+  }
+  unsigned bm = block_reduce_max(local, smem);
+  block_done(bm, f, smem);
+}
+
+__global__ void record_amax_kernel(const float* amax, Finalize f) {
+  __shared__ unsigned smem[32];
+  record_in_block(*amax, f, smem);
+}
+
+int num_sms() {
+  static int n = -1;
+  if (n < 0) {
+    int dev;
+    TORCH_OPS_CUDA_CHECK(cudaGetDevice(&dev));
+    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  }
+  return n;
+}
+
+float fmax_of(int fmt) { return fmt == 1 ? 57344.0f : 448.0f; }
+
+template <typename Fn>
+void dispatch_in(const at::Tensor& x, Fn&& fn) {
+  switch (x.scalar_type()) {
+    case at::kBFloat16: fn((const __nv_bfloat16*)x.data_ptr()); break;
+    case at::kHalf: fn((const __half*)x.data_ptr()); break;
+    case at::kFloat: fn((const float*)x.data_ptr()); break;
+    default:
+      TORCH_CHECK(false, "x: expected a bfloat16, float16 or float32 tensor, got ", x.scalar_type());
+  }
+}
+
+}  // namespace
+
+// x: contiguous (R, C) on CUDA. Writes outputs, returns nothing (allocation
+// happens in the caller, bindings.cpp).
+//   scale_mode: 0 = given scale (scale_used is read, never written here)
+//               1 = delayed (pre-pass seeds scale_used when history is empty)
+//               2 = current (pre-pass always computes scale_used from amax)
+void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int scale_mode,
+                     const at::Tensor& scale_in,        // mode 0: the scale; mode 1: state scale; mode 2: prev (may be undefined)
+                     const at::Tensor& scale_used,      // 0-d float32 output (mode 0: same as scale_in)
+                     const at::Tensor& amax_out,
+                     const at::Tensor& history,         // undefined: no record
+                     const at::Tensor& scale_state,     // where the next scale goes when recording
+                     const at::Tensor& hist_for_empty,  // mode 1: history (for the empty check)
+                     const at::Tensor& q, long long ldq, const at::Tensor& qt, long long ldqt, int algo,
+                     double mdiv_d, bool skip_zero) {
+  const at::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const float fmax = fmax_of(fmt);
+  const float mdiv = (float)mdiv_d;
+  at::Tensor ws = at::zeros({4}, x.options().dtype(at::kInt));
+  unsigned* wsp = reinterpret_cast<unsigned*>(ws.data_ptr<int>());
+  const long long n = R * C;
+  const bool vec = (C % 8 == 0) && ((reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0);
+
+  if (scale_mode != 0) {
+    long long blocks = (n / 8 + kThreads - 1) / kThreads;
+    blocks = std::max<long long>(1, std::min<long long>(blocks, 4LL * num_sms()));
+    const float* prev = scale_in.defined() ? scale_in.data_ptr<float>() : nullptr;
+    const float* hist = scale_mode == 1 ? hist_for_empty.data_ptr<float>() : nullptr;
+    const long long H = scale_mode == 1 ? hist_for_empty.numel() : 0;
+    dispatch_in(x, [&](auto* xp) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+      amax_prepass_kernel<T><<<(unsigned)blocks, kThreads, 0, stream>>>(
+          xp, n, vec, hist, H, scale_mode == 1, prev, scale_used.data_ptr<float>(), wsp, fmax, mdiv);
+    });
+    TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+  }
+
+  Finalize f;
+  f.ws = wsp + 2;
+  f.amax_out = amax_out.data_ptr<float>();
+  f.history = history.defined() ? history.data_ptr<float>() : nullptr;
+  f.H = history.defined() ? history.numel() : 0;
+  f.scale_state = scale_state.defined() ? scale_state.data_ptr<float>() : nullptr;
+  f.scale_used = scale_used.data_ptr<float>();
+  f.algo = algo;
+  f.fmax = fmax;
+  f.mdiv = mdiv;
+  f.skip_zero = skip_zero ? 1 : 0;
+
+  uint8_t* qp = q.defined() ? reinterpret_cast<uint8_t*>(q.data_ptr()) : nullptr;
+  uint8_t* qtp = qt.defined() ? reinterpret_cast<uint8_t*>(qt.data_ptr()) : nullptr;
+  const bool flat = qtp == nullptr && (qp == nullptr || ldq == C);
+  dispatch_in(x, [&](auto* xp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    if (flat) {
+      long long blocks = (std::max<long long>(n, 1) / 8 + kThreads - 1) / kThreads;
+      blocks = std::max<long long>(1, std::min<long long>(blocks, 8LL * num_sms()));
+      if (fmt == 1)
+        quant_flat_kernel<T, true><<<(unsigned)blocks, kThreads, 0, stream>>>(xp, n, vec, qp, f);
+      else
+        quant_flat_kernel<T, false><<<(unsigned)blocks, kThreads, 0, stream>>>(xp, n, vec, qp, f);
+    } else {
+      // Cover the padded extents too, so that padding bytes get written.
+      const long long ext_c = std::max<long long>(C, qp ? ldq : C);
+      const long long ext_r = std::max<long long>(R, qtp ? ldqt : R);
+      dim3 grid((unsigned)((ext_c + kTileC - 1) / kTileC), (unsigned)((ext_r + kTileR - 1) / kTileR));
+      TORCH_CHECK(grid.y <= 65535u, "x: too many rows for the transpose kernel (", R, ")");
+      if (fmt == 1)
+        quant_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, f);
+      else
+        quant_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, f);
+    }
+  });
+  TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+}
+
+void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt,
+                        int algo, double mdiv_d, bool skip_zero) {
+  const at::cuda::CUDAGuard guard(history.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // The kernel reads scale (as scale_used) and writes it: one thread does both
+  // in order, so the read happens before the write.
+  Finalize f;
+  f.ws = nullptr;
+  f.amax_out = nullptr;
+  f.history = history.data_ptr<float>();
+  f.H = history.numel();
+  f.scale_state = scale.data_ptr<float>();
+  f.scale_used = scale.data_ptr<float>();
+  f.algo = algo;
+  f.fmax = fmax_of(fmt);
+  f.mdiv = (float)mdiv_d;
+  f.skip_zero = skip_zero ? 1 : 0;
+  record_amax_kernel<<<1, 1024, 0, stream>>>(amax.data_ptr<float>(), f);
+  TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace torch_ops

@@ -1,0 +1,201 @@
+"""torch.library custom ops (namespace ``torch_ops``).
+
+Each op runs the CUDA kernel when its input is on an FP8-capable GPU with the
+extension built, and the emulation otherwise (CPU, older GPUs), so the same
+graph works everywhere. Mutated arguments are declared, and every op has a
+fake (meta) implementation: ``torch.compile(fullgraph=True)`` traces through
+them and CUDA graphs capture them (no host sync, no host-side index).
+
+The ops work on 2-D ``x`` (rows, cols). ``pad=True`` makes the fp8 outputs'
+rows a multiple of 16 bytes long (zero padding), the layout cuBLASLt FP8 needs:
+q is (R, round16(C)), qt is (C, round16(R)). An output that was not asked for
+is an empty tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _build
+from . import emulation as emu
+
+_FMT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+_ALGO = {"max": 0, "most_recent": 1}
+
+
+def _r16(v: int) -> int:
+    return (v + 15) // 16 * 16
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda and _build.is_available()
+
+
+def _mdiv(margin: float) -> float:
+    # 2**margin rounded to float32 exactly as the emulation's torch.tensor(2.0**margin).
+    return float(torch.tensor(2.0 ** float(margin), dtype=torch.float32).item())
+
+
+def _empty_fp8(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    return torch.empty((0,), dtype=dt, device=x.device)
+
+
+def _pad_cols(q: torch.Tensor, cols: int) -> torch.Tensor:
+    if q.shape[1] == cols:
+        return q.contiguous()
+    return F.pad(q.view(torch.uint8), (0, cols - q.shape[1])).view(q.dtype)
+
+
+def _emu_outputs(x, scale_used, dt, transpose, pad, write_q):
+    R, C = x.shape
+    q = emu.quantize_with_scale(x, scale_used, dt)
+    qt = _pad_cols(q.t().contiguous(), _r16(R) if pad else R) if transpose else _empty_fp8(x, dt)
+    qo = _pad_cols(q, _r16(C) if pad else C) if write_q else _empty_fp8(x, dt)
+    return qo, qt
+
+
+def _fake_outputs(x, dt, transpose, pad, write_q):
+    R, C = x.shape
+    q = x.new_empty((R, _r16(C) if pad else C), dtype=dt) if write_q else x.new_empty((0,), dtype=dt)
+    qt = x.new_empty((C, _r16(R) if pad else R), dtype=dt) if transpose else x.new_empty((0,), dtype=dt)
+    return q, qt
+
+
+# --------------------------------------------------------------------------- quantize
+@torch.library.custom_op("torch_ops::quantize", mutates_args=())
+def quantize_op(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool, pad: bool, write_q: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_kernel(x):
+        return tuple(_build.load().quantize(x, scale, _FMT[fp8_dtype], transpose, pad, write_q))
+    q, qt = _emu_outputs(x, scale, fp8_dtype, transpose, pad, write_q)
+    return q, qt, emu.amax(x)
+
+
+@quantize_op.register_fake
+def _(x, scale, fp8_dtype, transpose, pad, write_q):
+    q, qt = _fake_outputs(x, fp8_dtype, transpose, pad, write_q)
+    return q, qt, x.new_empty((), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- delayed
+@torch.library.custom_op("torch_ops::quantize_delayed", mutates_args=("amax_history", "scale"))
+def quantize_delayed_op(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: float,
+    amax_compute_algo: str,
+    transpose: bool,
+    record: bool,
+    pad: bool,
+    write_q: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_kernel(x):
+        return tuple(
+            _build.load().quantize_delayed(
+                x, amax_history, scale, _FMT[fp8_dtype], _mdiv(margin), _ALGO[amax_compute_algo],
+                transpose, record, pad, write_q,
+            )
+        )
+    # Same rule as emulation.quantize_delayed, written out to also produce the
+    # padded layouts.
+    a = emu.amax(x)
+    empty = amax_history.amax() == 0
+    scale_used = torch.where(empty, emu.compute_scale(a, scale, fp8_dtype, margin), scale.reshape(()).float()).clone()
+    q, qt = _emu_outputs(x, scale_used, fp8_dtype, transpose, pad, write_q)
+    if record:
+        new_hist = torch.where(torch.isfinite(a), emu._shifted(amax_history, a), amax_history)
+        amax_history.copy_(new_hist)
+        scale.copy_(
+            emu.compute_scale(emu.window(amax_history, amax_compute_algo), scale_used, fp8_dtype, margin).reshape(
+                scale.shape
+            )
+        )
+    return q, qt, scale_used, a
+
+
+@quantize_delayed_op.register_fake
+def _(x, amax_history, scale, fp8_dtype, margin, amax_compute_algo, transpose, record, pad, write_q):
+    q, qt = _fake_outputs(x, fp8_dtype, transpose, pad, write_q)
+    return q, qt, x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- current
+@torch.library.custom_op("torch_ops::quantize_current", mutates_args=())
+def quantize_current_op(
+    x: torch.Tensor,
+    prev_scale: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    margin: float,
+    transpose: bool,
+    pad: bool,
+    write_q: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_kernel(x):
+        return tuple(
+            _build.load().quantize_current(x, prev_scale, _FMT[fp8_dtype], _mdiv(margin), transpose, pad, write_q)
+        )
+    a = emu.amax(x)
+    prev = torch.ones((), dtype=torch.float32, device=x.device) if prev_scale is None else prev_scale
+    scale_used = emu.compute_scale(a, prev, fp8_dtype, margin).clone()
+    q, qt = _emu_outputs(x, scale_used, fp8_dtype, transpose, pad, write_q)
+    return q, qt, scale_used, a
+
+
+@quantize_current_op.register_fake
+def _(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q):
+    q, qt = _fake_outputs(x, fp8_dtype, transpose, pad, write_q)
+    return q, qt, x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- record
+@torch.library.custom_op("torch_ops::record_amax", mutates_args=("amax_history", "scale"))
+def record_amax_op(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: float,
+    amax_compute_algo: str,
+    skip_zero: bool,
+) -> None:
+    if _use_kernel(amax_history):
+        _build.load().record_amax(
+            amax_history, scale, amax.reshape(()).float().contiguous(), _FMT[fp8_dtype], _mdiv(margin),
+            _ALGO[amax_compute_algo], skip_zero,
+        )
+        return
+    emu.record_amax(
+        amax_history, scale, amax, fp8_dtype, margin=margin, amax_compute_algo=amax_compute_algo, skip_zero=skip_zero
+    )
+
+
+@record_amax_op.register_fake
+def _(amax_history, scale, amax, fp8_dtype, margin, amax_compute_algo, skip_zero):
+    return None
+
+
+# --------------------------------------------------------------------------- gemm
+@torch.library.custom_op("torch_ops::gemm", mutates_args=())
+def gemm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    if _use_kernel(a):
+        return _build.load().gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    return emu.fp8_gemm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+@gemm_op.register_fake
+def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)

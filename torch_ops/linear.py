@@ -1,0 +1,321 @@
+"""fp8_linear: an FP8 linear layer's forward and backward with its scaling state.
+
+Forward: quantize x and the weight (E4M3) with their delayed (or current)
+scales, one cuBLASLt FP8 GEMM with fast accumulation and the bias fused.
+Backward: quantize the output gradient once (E5M2 for "hybrid", E4M3 for
+"e4m3"), with its transpose, and use it for both the dX and the dW GEMM (split
+accumulation). Every GEMM dequantizes with exactly the scale its operand was
+quantized with (the ``scale_used`` tensors the quantize ops return), even though
+the same ops publish the next scale into the state.
+
+The quantize ops run outside the autograd.Function (they are not
+differentiable); the Function holds the GEMMs and the backward. The same code
+runs on the emulation ops (``emulation.fp8_linear``) as the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import emulation as emu
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+# Below this M*N*K the GEMMs run in the compute dtype (bf16/fp16/fp32) while
+# the FP8 state is still updated exactly as in the FP8 path: at small sizes
+# quantize + FP8 GEMM launches cost more than they save. Overridable per call
+# (min_gemm_size=...) or by the environment variable, read once at import.
+# The default comes from benchmarks/linear.py on an H200 (docs/benchmarks.md).
+DEFAULT_MIN_GEMM_SIZE = int(os.environ.get("TORCH_OPS_FP8_MIN_GEMM_SIZE", str(8192 * 2048 * 2048)))
+
+
+@dataclasses.dataclass
+class FP8LinearState:
+    """Scaling state of one FP8 linear layer: six float32 tensors, updated in place.
+
+    ``*_scale`` are 0-d dequantization steps (x ~= q * scale); ``*_amax_history``
+    are (H,) with ``[0]`` the newest amax (DESIGN.md, "Numerics").
+    """
+
+    input_scale: torch.Tensor
+    input_amax_history: torch.Tensor
+    kernel_scale: torch.Tensor
+    kernel_amax_history: torch.Tensor
+    grad_scale: torch.Tensor
+    grad_amax_history: torch.Tensor
+
+    @classmethod
+    def create(cls, history_len: int = 1024, device=None) -> "FP8LinearState":
+        if history_len < 1:
+            raise ValueError(f"history_len: expected >= 1, got {history_len}")
+
+        def s():
+            return torch.ones((), dtype=torch.float32, device=device)
+
+        def h():
+            return torch.zeros((history_len,), dtype=torch.float32, device=device)
+
+        return cls(s(), h(), s(), h(), s(), h())
+
+    def tensors(self):
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+class _KernelOps:
+    """The registered custom ops (kernel on FP8 GPUs, emulation elsewhere)."""
+
+    pads = True
+
+    @staticmethod
+    def delayed(x, hist, scale, dt, margin, algo, transpose, record, write_q):
+        return torch.ops.torch_ops.quantize_delayed(x, hist, scale, dt, margin, algo, transpose, record, True, write_q)
+
+    @staticmethod
+    def current(x, prev, dt, margin, transpose, write_q):
+        return torch.ops.torch_ops.quantize_current(x, prev, dt, margin, transpose, True, write_q)
+
+    @staticmethod
+    def gemm(a, b, sa, sb, bias, out_dtype, fast):
+        return torch.ops.torch_ops.gemm(a, b, sa, sb, bias, out_dtype, fast)
+
+
+class _EmuOps:
+    """Pure emulation, no custom ops, no padding: the reference."""
+
+    pads = False
+
+    @staticmethod
+    def delayed(x, hist, scale, dt, margin, algo, transpose, record, write_q):
+        return emu.quantize_delayed(
+            x, hist, scale, dt, margin=margin, amax_compute_algo=algo, transpose=transpose, record=record
+        )
+
+    @staticmethod
+    def current(x, prev, dt, margin, transpose, write_q):
+        return emu.quantize_current(x, dt, margin=margin, prev_scale=prev, transpose=transpose)
+
+    @staticmethod
+    def gemm(a, b, sa, sb, bias, out_dtype, fast):
+        return emu.fp8_gemm(a, b, sa, sb, bias=bias, out_dtype=out_dtype, use_fast_accum=fast)
+
+
+def _quant(ops, scaling, x, hist, scale, dt, margin, algo, transpose, record, write_q):
+    if scaling == "delayed":
+        return ops.delayed(x, hist, scale, dt, margin, algo, transpose, record, write_q)
+    return ops.current(x, scale, dt, margin, transpose, write_q)
+
+
+def _make_fn(ops):
+    class _FP8LinearFn(torch.autograd.Function):
+        """Inputs after the differentiable ones are precomputed fp8 operands and
+        the grad state; only x, weight, bias and the sink get gradients."""
+
+        @staticmethod
+        def forward(ctx, x2d, weight, bias, sink, qx, qw_fwd, sx, sw, qxt, qw_bwd, grad_hist, grad_scale, cfg):
+            (in_out, small, grad_dt, scaling, margin, algo, record_grad) = cfg
+            ctx.cfg = cfg
+            ctx.has_bias = bias is not None
+            ctx.has_sink = sink is not None
+            ctx.shapes = (x2d.shape, weight.shape)
+            ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
+            if small:
+                w_nk = (weight.t() if in_out else weight).to(x2d.dtype)
+                out = F.linear(x2d, w_nk, None if bias is None else bias.to(x2d.dtype))
+                ctx.save_for_backward(x2d, weight, grad_hist, grad_scale)
+            else:
+                out = ops.gemm(qx, qw_fwd, sx, sw, bias, x2d.dtype, True)
+                ctx.save_for_backward(qxt, qw_bwd, sx, sw, grad_hist, grad_scale)
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            (in_out, small, grad_dt, scaling, margin, algo, record_grad) = ctx.cfg
+            need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+            x_dtype, w_dtype, b_dtype = ctx.dtypes
+            g2d = g.contiguous()
+            dx = dw = db = dsink = None
+            if small:
+                x2d, weight, grad_hist, grad_scale = ctx.saved_tensors
+                _, _, _, ga = _quant(ops, scaling, g2d, grad_hist, grad_scale, grad_dt, margin, algo,
+                                     False, record_grad, False)
+                w = weight.to(g2d.dtype)
+                if need_dx:
+                    dx = g2d @ (w.t() if in_out else w)
+                if need_dw:
+                    gw = g2d.t() @ x2d.to(g2d.dtype)  # (N, K)
+                    dw = (gw.t() if in_out else gw).to(w_dtype)
+            else:
+                qxt, qw_bwd, sx, sw, grad_hist, grad_scale = ctx.saved_tensors
+                qg, qgt, sg, ga = _quant(ops, scaling, g2d, grad_hist, grad_scale, grad_dt, margin, algo,
+                                         need_dw, record_grad, need_dx)
+                if need_dx:
+                    dx = ops.gemm(qg, qw_bwd, sg, sw, None, x_dtype, False)
+                if need_dw:
+                    if in_out:
+                        dw = ops.gemm(qxt, qgt, sx, sg, None, w_dtype, False)
+                    else:
+                        dw = ops.gemm(qgt, qxt, sg, sx, None, w_dtype, False)
+            if ctx.has_bias and need_db:
+                db = g2d.sum(0, dtype=torch.float32).to(b_dtype)
+            if ctx.has_sink:
+                dsink = torch.where(torch.isfinite(ga), ga, torch.zeros_like(ga))
+            return dx, dw, db, dsink, None, None, None, None, None, None, None, None, None
+
+    return _FP8LinearFn
+
+
+_KernelFn = _make_fn(_KernelOps)
+_EmuFn = _make_fn(_EmuOps)
+
+_FORMATS = ("hybrid", "e4m3")
+_SCALINGS = ("delayed", "current")
+_LAYOUTS = ("out_in", "in_out")
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout, grad_amax_sink):
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError(f"x: expected a tensor of rank >= 2, got {getattr(x, 'shape', type(x))}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"x: expected bfloat16, float16 or float32, got {x.dtype}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight: expected a 2-D tensor, got {getattr(weight, 'shape', type(weight))}")
+    if weight.dtype not in _FLOATS:
+        raise TypeError(f"weight: expected bfloat16, float16 or float32, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight: expected device {x.device}, got {weight.device}")
+    if fp8_format not in _FORMATS:
+        raise ValueError(f"fp8_format: expected one of {_FORMATS}, got {fp8_format!r}")
+    if scaling not in _SCALINGS:
+        raise ValueError(f"scaling: expected one of {_SCALINGS}, got {scaling!r}")
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"amax_compute_algo: expected 'max' or 'most_recent', got {amax_compute_algo!r}")
+    if weight_layout not in _LAYOUTS:
+        raise ValueError(f"weight_layout: expected one of {_LAYOUTS}, got {weight_layout!r}")
+    K = x.shape[-1]
+    k_w = weight.shape[1] if weight_layout == "out_in" else weight.shape[0]
+    if k_w != K:
+        raise ValueError(
+            f"weight: shape {tuple(weight.shape)} with weight_layout={weight_layout!r} does not match "
+            f"x's last dimension {K}"
+        )
+    N = weight.shape[0] if weight_layout == "out_in" else weight.shape[1]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.device != x.device):
+        raise ValueError(f"bias: expected shape ({N},) on {x.device}, got {tuple(bias.shape)} on {bias.device}")
+    if not isinstance(state, FP8LinearState):
+        raise TypeError(f"state: expected an FP8LinearState, got {type(state).__name__}")
+    for f in dataclasses.fields(state):
+        t = getattr(state, f.name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != x.device:
+            raise ValueError(
+                f"state.{f.name}: expected a float32 tensor on {x.device}, got "
+                f"{getattr(t, 'dtype', type(t))} on {getattr(t, 'device', '?')}"
+            )
+    if grad_amax_sink is not None:
+        if grad_amax_sink.dim() != 0 or grad_amax_sink.dtype != torch.float32:
+            raise ValueError("grad_amax_sink: expected a 0-d float32 tensor with requires_grad=True")
+
+
+def _fp8_linear(ops, fn, x, weight, bias, state, fp8_format, scaling, margin, amax_compute_algo, weight_layout,
+                training, grad_amax_sink, min_gemm_size):
+    _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout, grad_amax_sink)
+    lead = x.shape[:-1]
+    K = x.shape[-1]
+    in_out = weight_layout == "in_out"
+    N = weight.shape[1] if in_out else weight.shape[0]
+    x2d = x.reshape(-1, K)
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    M = x2d.shape[0]
+    if min_gemm_size is None:
+        min_gemm_size = DEFAULT_MIN_GEMM_SIZE
+    small = M * N * K < min_gemm_size
+    grad_dt = E5M2 if fp8_format == "hybrid" else E4M3
+    grad_on = torch.is_grad_enabled()
+    need_dx = grad_on and x.requires_grad
+    need_dw = grad_on and weight.requires_grad
+    xd = x2d.detach()
+    wd = weight.detach()
+    if not wd.is_contiguous():
+        wd = wd.contiguous()
+    record = bool(training) and scaling == "delayed"
+    s = state
+    # x: forward operand (M, K) and, for dW, its transpose (K, M).
+    qx, qxt, sx, _ = _quant(ops, scaling, xd, s.input_amax_history, s.input_scale, E4M3, margin,
+                            amax_compute_algo, need_dw and not small, record, not small)
+    # weight: forward wants (N, K), dX wants (K, N). out_in stores (N, K).
+    fwd_from_t = in_out  # the (N, K) operand is the transpose of an in_out weight
+    qw_a, qw_t, sw, _ = _quant(
+        ops, scaling, wd, s.kernel_amax_history, s.kernel_scale, E4M3, margin, amax_compute_algo,
+        (not small) and (fwd_from_t or need_dx), record, (not small) and ((not fwd_from_t) or need_dx),
+    )
+    qw_fwd, qw_bwd = (qw_t, qw_a) if fwd_from_t else (qw_a, qw_t)
+    cfg = (in_out, small, grad_dt, scaling, float(margin), amax_compute_algo,
+           bool(training) and scaling == "delayed" and grad_amax_sink is None)
+    if grad_on and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+                    or grad_amax_sink is not None):
+        out = fn.apply(x2d, weight, bias, grad_amax_sink, qx, qw_fwd, sx, sw, qxt, qw_bwd,
+                       s.grad_amax_history, s.grad_scale, cfg)
+    else:
+        with torch.no_grad():
+            if small:
+                w_nk = (wd.t() if in_out else wd).to(x2d.dtype)
+                out = F.linear(xd, w_nk, None if bias is None else bias.to(x2d.dtype))
+            else:
+                out = ops.gemm(qx, qw_fwd, sx, sw, bias, x2d.dtype, True)
+    return out.reshape(*lead, N)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    state: FP8LinearState,
+    fp8_format: str = "hybrid",
+    scaling: str = "delayed",
+    margin: float = 0.0,
+    amax_compute_algo: str = "max",
+    weight_layout: str = "out_in",
+    training: bool = True,
+    grad_amax_sink: torch.Tensor | None = None,
+    min_gemm_size: int | None = None,
+) -> torch.Tensor:
+    """FP8 linear: ``x @ W^T + bias`` with FP8 GEMMs and in-place scaling state.
+
+    Args:
+      x: (..., K) bfloat16/float16/float32; the output has x's dtype.
+      weight: (N, K) for ``weight_layout="out_in"`` (nn.Linear), (K, N) for
+        ``"in_out"`` (a Keras Dense kernel; no transpose copy is made).
+      bias: optional (N,).
+      state: FP8LinearState (updated in place when training with delayed scaling).
+      fp8_format: "hybrid" (E4M3 forward, E5M2 gradient) or "e4m3".
+      scaling: "delayed" (history-based, DESIGN.md) or "current" (each tensor's
+        own amax; state scales serve as the fallback; nothing is recorded).
+      training: False -> delayed scaling uses the state's current scales (seeded
+        from the tensor when its history is empty) and records nothing.
+      grad_amax_sink: optional 0-d float32 tensor with requires_grad=True; if
+        given, the backward records nothing in the grad state and returns the
+        gradient's amax (0 where non-finite) as this tensor's gradient.
+      min_gemm_size: M*N*K below which the GEMMs run in the compute dtype (the
+        FP8 state is still updated); default DEFAULT_MIN_GEMM_SIZE
+        (env TORCH_OPS_FP8_MIN_GEMM_SIZE).
+    """
+    from . import _ops  # noqa: F401  (registers torch.ops.torch_ops.*)
+
+    return _fp8_linear(_KernelOps, _KernelFn, x, weight, bias, state, fp8_format, scaling, margin,
+                       amax_compute_algo, weight_layout, training, grad_amax_sink, min_gemm_size)
+
+
+def fp8_linear_emulated(x, weight, bias=None, *, state, fp8_format="hybrid", scaling="delayed", margin=0.0,
+                        amax_compute_algo="max", weight_layout="out_in", training=True, grad_amax_sink=None,
+                        min_gemm_size=0):
+    """Reference fp8_linear on the pure emulation (no custom ops, no kernels).
+    Defaults to min_gemm_size=0, i.e. always the FP8 path."""
+    return _fp8_linear(_EmuOps, _EmuFn, x, weight, bias, state, fp8_format, scaling, margin, amax_compute_algo,
+                       weight_layout, training, grad_amax_sink, min_gemm_size)
