@@ -9,7 +9,42 @@ E5M2 output gradient, delayed scaling) and every other layer runs as under
 `mixed_bfloat16`.
 """
 
-from keras_fp8 import autocast as _autocast_module
+import importlib.util as _importlib_util
+import json as _json
+import os as _os
+import sys as _sys
+
+
+def _default_backend_if_unusable():
+    """Picks torch (else JAX) when Keras's configured backend is not installed.
+
+    Keras falls back to TensorFlow when neither `KERAS_BACKEND` nor
+    `keras.json` names a backend; keras-fp8 supports torch and JAX, so a bare
+    `import keras_fp8` on a machine without TensorFlow would otherwise fail.
+    An explicit, installed choice is never overridden.
+    """
+    if "keras" in _sys.modules or "KERAS_BACKEND" in _os.environ:
+        return
+    home = _os.environ.get("KERAS_HOME") or _os.path.join(
+        _os.path.expanduser("~"), ".keras"
+    )
+    configured = "tensorflow"
+    try:
+        with open(_os.path.join(home, "keras.json")) as f:
+            configured = _json.load(f).get("backend", configured)
+    except (OSError, ValueError):
+        pass
+    if configured == "numpy" or _importlib_util.find_spec(configured):
+        return
+    for candidate in ("torch", "jax"):
+        if _importlib_util.find_spec(candidate):
+            _os.environ["KERAS_BACKEND"] = candidate
+            return
+
+
+_default_backend_if_unusable()
+
+from keras_fp8 import autocast as _autocast_module  # noqa: E402
 from keras_fp8 import policy as _policy_module
 from keras_fp8 import layers
 from keras_fp8 import recipes

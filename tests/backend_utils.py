@@ -1,0 +1,75 @@
+"""Backend-specific test helpers: gradients through a layer, tensors."""
+
+import keras
+import numpy as np
+
+
+def to_numpy(x):
+    return keras.ops.convert_to_numpy(keras.ops.cast(x, "float32"))
+
+
+def train_call_with_grads(layer, x, upstream):
+    """Calls `layer(x, training=True)` and backpropagates `upstream`.
+
+    Applies the layer's non-trainable state updates, like a training step.
+
+    Returns:
+        `(y, dx, grads)`, with `grads` a dict from trainable variable path to
+        gradient (NumPy float32).
+    """
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        xt = torch.tensor(x, requires_grad=True)
+        for v in layer.trainable_variables:
+            v.value.grad = None
+        y = layer(xt, training=True)
+        loss = (y.float() * torch.tensor(upstream, dtype=torch.float32)).sum()
+        loss.backward()
+        grads = {
+            v.path: to_numpy(v.value.grad) for v in layer.trainable_variables
+        }
+        return to_numpy(y.detach()), to_numpy(xt.grad), grads
+    if backend == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        trainable = [v.value for v in layer.trainable_variables]
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        def loss_fn(trainable, x):
+            y, new_non_trainable = layer.stateless_call(
+                trainable, non_trainable, x, training=True
+            )
+            loss = jnp.sum(y.astype(jnp.float32) * upstream)
+            return loss, (y, new_non_trainable)
+
+        # stateless_call skips __call__'s cast of the inputs: do it here.
+        x = jnp.asarray(x).astype(layer.compute_dtype)
+        (_, (y, new_nt)), (g_train, g_x) = jax.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True
+        )(trainable, x)
+        for v, value in zip(layer.non_trainable_variables, new_nt):
+            v.assign(value)
+        grads = {
+            v.path: to_numpy(g)
+            for v, g in zip(layer.trainable_variables, g_train)
+        }
+        return to_numpy(y), to_numpy(g_x), grads
+    raise NotImplementedError(backend)
+
+
+def rng_normal(shape, seed, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(
+        "float32"
+    )
+
+
+def fp8_bytes(q):
+    """The raw bytes of an FP8 backend tensor, as a NumPy uint8 array."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return q.detach().cpu().view(torch.uint8).numpy()
+    return np.asarray(q).view(np.uint8)
