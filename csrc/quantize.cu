@@ -285,41 +285,52 @@ __global__ void __launch_bounds__(kThreads) quant_tile_kernel(
   const long long r0 = (long long)blockIdx.y * kTileR;
   const long long c0 = (long long)blockIdx.x * kTileC;
   unsigned local = 0u;
+  constexpr int kIters = (kTileR * kTileC / 8) / kThreads;
 
+  // All loads of the tile first (several 16-byte loads in flight per thread),
+  // then convert, quantize and store.
+  float e[kIters][8];
 #pragma unroll
-  for (int it = 0; it < (kTileR * kTileC / 8) / kThreads; ++it) {
+  for (int it = 0; it < kIters; ++it) {
+    const int slot = threadIdx.x + it * kThreads;
+    const long long r = r0 + slot / (kTileC / 8);
+    const long long c = c0 + (slot % (kTileC / 8)) * 8;
+    if (vec && r < R && c + 8 <= C) {
+      Vec8<T>::load(x + r * C + c, e[it]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) e[it][i] = (r < R && c + i < C) ? to_f32(x[r * C + c + i]) : 0.f;
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
     const int slot = threadIdx.x + it * kThreads;
     const int lr = slot / (kTileC / 8);
     const int lv = slot % (kTileC / 8);
     const long long r = r0 + lr;
     const long long c = c0 + lv * 8;
-    float e[8];
-    if (vec && r < R && c + 8 <= C) {
-      Vec8<T>::load(x + r * C + c, e);
-    } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) e[i] = (r < R && c + i < C) ? to_f32(x[r * C + c + i]) : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[i]));
+    for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[it][i]));
     uint2 o;
-    o.x = (unsigned)q2<kE5M2>(e[0], e[1], s) | ((unsigned)q2<kE5M2>(e[2], e[3], s) << 16);
-    o.y = (unsigned)q2<kE5M2>(e[4], e[5], s) | ((unsigned)q2<kE5M2>(e[6], e[7], s) << 16);
+    o.x = (unsigned)q2<kE5M2>(e[it][0], e[it][1], s) | ((unsigned)q2<kE5M2>(e[it][2], e[it][3], s) << 16);
+    o.y = (unsigned)q2<kE5M2>(e[it][4], e[it][5], s) | ((unsigned)q2<kE5M2>(e[it][6], e[it][7], s) << 16);
     // Elements outside x are padding: exact zero bytes, whatever the scale.
     if (!(r < R && c + 8 <= C)) {
-      uint8_t* ob = reinterpret_cast<uint8_t*>(&o);
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (!(r < R && c + i < C)) ob[i] = 0;
+      for (int i = 0; i < 8; ++i) {
+        if (!(r < R && c + i < C)) {
+          if (i < 4) o.x &= ~(0xffu << (8 * i));
+          else o.y &= ~(0xffu << (8 * (i - 4)));
+        }
+      }
     }
     if (q && r < R) {
       if (c + 8 <= ldq && (ldq & 7) == 0) {
         *reinterpret_cast<uint2*>(q + r * ldq + c) = o;
       } else {
-        const uint8_t* ob = reinterpret_cast<const uint8_t*>(&o);
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          if (c + i < ldq) q[r * ldq + c + i] = ob[i];
+          if (c + i < ldq) q[r * ldq + c + i] = (uint8_t)(((i < 4 ? o.x : o.y) >> (8 * (i & 3))) & 0xffu);
       }
     }
     if (qt) *reinterpret_cast<uint2*>(tile + lr * kSmemStride + lv * 8) = o;
@@ -336,15 +347,19 @@ __global__ void __launch_bounds__(kThreads) quant_tile_kernel(
       const long long orow = c0 + oc;   // row of qt = column of x
       const long long ocol = r0 + k * 16;  // first column of qt = row of x
       if (orow >= C) continue;
-      uint8_t b[16];
+      unsigned w[4];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) b[i] = tile[(k * 16 + i) * kSmemStride + oc];
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* col = tile + (k * 16 + 4 * j) * kSmemStride + oc;
+        w[j] = (unsigned)col[0] | ((unsigned)col[kSmemStride] << 8) | ((unsigned)col[2 * kSmemStride] << 16) |
+               ((unsigned)col[3 * kSmemStride] << 24);
+      }
       if (ocol + 16 <= ldqt && (ldqt & 15) == 0) {
-        *reinterpret_cast<uint4*>(qt + orow * ldqt + ocol) = *reinterpret_cast<const uint4*>(b);
+        *reinterpret_cast<uint4*>(qt + orow * ldqt + ocol) = make_uint4(w[0], w[1], w[2], w[3]);
       } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i)
-          if (ocol + i < ldqt) qt[orow * ldqt + ocol + i] = b[i];
+          if (ocol + i < ldqt) qt[orow * ldqt + ocol + i] = (uint8_t)((w[i >> 2] >> (8 * (i & 3))) & 0xffu);
       }
     }
   }

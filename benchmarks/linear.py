@@ -1,0 +1,172 @@
+"""Linear layer forward+backward: bf16 nn.Linear vs torchao Float8Linear
+(tensorwise, compiled) vs the floor of three raw torch._scaled_mm calls vs
+torch_ops.fp8_linear (delayed scaling, hybrid E4M3/E5M2).
+
+    python benchmarks/linear.py [--shapes 16384x4096x4096,...] [--no-torchao] [--iters 30]
+
+Shapes are M x K x N (tokens x in x out). Times are the median over --iters
+timed iterations (CUDA events around each iteration, after warm-up) on random
+data; x, weight and the output gradient are bf16, x requires grad (a layer in
+the middle of a network). Prints one table per shape, pasteable into
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
+import torch_ops  # noqa: E402
+
+SHAPES = [
+    (16384, 4096, 4096),
+    (16384, 4096, 14336),
+    (16384, 14336, 4096),
+    (8192, 8192, 8192),
+    (4096, 1024, 1024),
+    (1024, 2048, 1024),
+]
+LARGE = {(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)}
+
+
+def bench(fn, iters=30, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def fwd_bwd(model, x, gy):
+    def step():
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+        y = model(x)
+        y.backward(gy)
+
+    return step
+
+
+class OursLinear(torch.nn.Module):
+    def __init__(self, lin: torch.nn.Linear, min_gemm_size=None):
+        super().__init__()
+        self.weight = lin.weight
+        self.state = torch_ops.FP8LinearState.create(1024, device=lin.weight.device)
+        self.min_gemm_size = min_gemm_size
+
+    def forward(self, x):
+        return torch_ops.fp8_linear(x, self.weight, None, state=self.state, min_gemm_size=self.min_gemm_size)
+
+
+def scaled_mm_floor(M, K, N):
+    """Three raw FP8 GEMMs with the layouts _scaled_mm wants (fp8 inputs ready)."""
+    dev = "cuda"
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    s = torch.ones((), device=dev)
+    xq = torch.randn(M, K, device=dev).to(e4)            # (M, K) row-major
+    wq_t = torch.randn(N, K, device=dev).to(e4).t()      # (K, N) column-major
+    gq = torch.randn(M, N, device=dev).to(e5)            # (M, N) row-major
+    wq_c = torch.randn(K, N, device=dev).to(e4).t()      # (N, K) column-major
+    gq_t = torch.randn(N, M, device=dev).to(e5)          # (N, M) row-major
+    xq_c = torch.randn(K, M, device=dev).to(e4).t()      # (M, K) column-major
+
+    def step():
+        torch._scaled_mm(xq, wq_t, scale_a=s, scale_b=s, out_dtype=torch.bfloat16, use_fast_accum=True)
+        torch._scaled_mm(gq, wq_c, scale_a=s, scale_b=s, out_dtype=torch.bfloat16, use_fast_accum=False)
+        torch._scaled_mm(gq_t, xq_c, scale_a=s, scale_b=s, out_dtype=torch.bfloat16, use_fast_accum=False)
+
+    return step
+
+
+def run_shape(M, K, N, iters, use_torchao):
+    dev = "cuda"
+    torch.manual_seed(0)
+    rows = []
+    lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+    t_bf16 = bench(fwd_bwd(lin, x, gy), iters)
+    rows.append(("bf16 nn.Linear", t_bf16))
+
+    t_ao = None
+    if use_torchao:
+        try:
+            import copy
+
+            from torchao.float8 import convert_to_float8_training
+
+            m = torch.nn.Sequential(copy.deepcopy(lin))
+            convert_to_float8_training(m)
+            m = torch.compile(m)
+            t_ao = bench(fwd_bwd(m, x, gy), iters, warmup=3)
+            rows.append(("torchao Float8Linear tensorwise (compiled)", t_ao))
+        except Exception as e:  # noqa: BLE001
+            rows.append((f"torchao: {type(e).__name__}: {str(e)[:60]}", None))
+    else:
+        rows.append(("torchao: not run", None))
+
+    t_floor = bench(scaled_mm_floor(M, K, N), iters)
+    rows.append(("floor: 3x torch._scaled_mm", t_floor))
+
+    ours_fp8 = OursLinear(lin, min_gemm_size=0)
+    t_ours_fp8 = bench(fwd_bwd(ours_fp8, x, gy), iters)
+    rows.append(("torch_ops.fp8_linear, FP8 GEMMs forced", t_ours_fp8))
+    ours = OursLinear(lin)
+    t_ours = bench(fwd_bwd(ours, x, gy), iters)
+    small = M * N * K < torch_ops.DEFAULT_MIN_GEMM_SIZE
+    rows.append((f"torch_ops.fp8_linear, default ({'bf16 GEMMs' if small else 'FP8 GEMMs'})", t_ours))
+    return rows, dict(bf16=t_bf16, torchao=t_ao, floor=t_floor, ours_fp8=t_ours_fp8, ours=t_ours)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default=None)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--torchao-shapes", default="large", help="'large' (the 3 target shapes), 'all' or 'none'")
+    a = p.parse_args(argv)
+    shapes = SHAPES if a.shapes is None else [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    props = torch.cuda.get_device_properties(0)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {props.name}; torch {torch.__version__}; "
+          f"CUDA {torch.version.cuda}; min_gemm_size default {torch_ops.DEFAULT_MIN_GEMM_SIZE}")
+    summary = []
+    for (M, K, N) in shapes:
+        use_ao = not a.no_torchao and (a.torchao_shapes == "all" or
+                                       (a.torchao_shapes == "large" and (M, K, N) in LARGE))
+        rows, t = run_shape(M, K, N, a.iters, use_ao)
+        print(f"\n### {M} x {K} x {N} (M x K x N), forward + backward\n")
+        print("| variant | ms | speed-up over bf16 |")
+        print("|---|---|---|")
+        for name, ms in rows:
+            if ms is None:
+                print(f"| {name} | - | - |")
+            else:
+                print(f"| {name} | {ms:.3f} | {t['bf16'] / ms:.2f}x |")
+        summary.append(((M, K, N), t))
+        sys.stdout.flush()
+    print("\n### summary (ms; ratios within this run)\n")
+    print("| M x K x N | bf16 | torchao | floor | ours FP8 | ours default | ours/bf16 | ours vs torchao | ours/floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (M, K, N), t in summary:
+        ao = f"{t['torchao']:.3f}" if t["torchao"] else "-"
+        vs_ao = f"{t['torchao'] / t['ours']:.2f}x" if t["torchao"] else "-"
+        print(f"| {M}x{K}x{N} | {t['bf16']:.3f} | {ao} | {t['floor']:.3f} | {t['ours_fp8']:.3f} | {t['ours']:.3f} "
+              f"| {t['bf16'] / t['ours']:.2f}x | {vs_ao} | {t['ours_fp8'] / t['floor']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Fused FP8 quantize bandwidth: cast + transpose + amax + history update.
+
+    python benchmarks/quantize.py [--shape 16384x4096] [--iters 100]
+
+Counts the fewest bytes each variant must move (x read once; q, q_t written
+once) over the median time (CUDA events, after warm-up), in TB/s, next to a
+device-to-device copy and the eager-torch recipe (amax, scale, cast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_ops  # noqa: E402
+
+
+def bench(fn, iters=100, warmup=10):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="16384x4096")
+    p.add_argument("--iters", type=int, default=100)
+    a = p.parse_args(argv)
+    R, C = (int(v) for v in a.shape.split("x"))
+    dev = "cuda"
+    e4 = torch.float8_e4m3fn
+    x = torch.randn(R, C, device=dev, dtype=torch.bfloat16)
+    n = x.numel()
+    hist = torch.zeros(1024, device=dev)
+    scale = torch.ones((), device=dev)
+    torch_ops.quantize_delayed(x, hist, scale, e4)  # history non-empty from here on
+    s_fixed = torch.tensor(0.01, device=dev)
+
+    def eager():
+        am = x.abs().amax().float()
+        s = am / 448.0
+        q = (x.float() / s).clamp(-448, 448).to(e4)
+        return q, q.t().contiguous()
+
+    variants = [
+        ("device copy (x.clone())", lambda: x.clone(), 2 * n * 2),
+        ("eager torch: amax + scale + cast + transpose", eager, 2 * n + n + n),
+        ("ours: quantize (given scale), q + amax", lambda: torch_ops.quantize(x, s_fixed, e4), 2 * n + n),
+        ("ours: quantize_delayed, q + q_t + amax + history + next scale",
+         lambda: torch_ops.quantize_delayed(x, hist, scale, e4, transpose=True), 2 * n + 2 * n),
+        ("ours: quantize_delayed, q + amax + history (no transpose)",
+         lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n),
+        ("ours: quantize_current (two passes over x), q + q_t",
+         lambda: torch_ops.quantize_current(x, e4, transpose=True), 2 * n + 2 * n),
+    ]
+    props = torch.cuda.get_device_properties(0)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {props.name}; torch {torch.__version__}; "
+          f"CUDA {torch.version.cuda}; x = {R} x {C} bfloat16")
+    print("\n| variant | us | bytes (min) | TB/s |")
+    print("|---|---|---|---|")
+    for name, fn, nbytes in variants:
+        ms = bench(fn, a.iters)
+        print(f"| {name} | {ms * 1e3:.1f} | {nbytes / 1e6:.0f} MB | {nbytes / (ms * 1e-3) / 1e12:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""CUDA kernel tests against the emulation (skip where no FP8 GPU is usable).
+
+Every comparison is with torch_ops.emulation on the same device, never with
+bf16. Outputs are poisoned before each run: the caching allocator hands the
+kernels memory that was just filled with 0xFF bytes (NaN in both fp8
+formats), so an element the kernel did not write cannot match the reference.
+"""
+
+import math
+
+import pytest
+import torch
+from absl.testing import parameterized
+
+import torch_ops
+from torch_ops import emulation as emu
+
+pytestmark = pytest.mark.skipif(
+    not torch_ops.is_available(), reason=f"torch_ops kernels unavailable: {torch_ops.unavailable_reason()}"
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+MAX = {E4M3: 448.0, E5M2: 57344.0}
+DEV = "cuda"
+
+
+def poison(nbytes: int = 1 << 30):
+    """Fill free memory of the caching allocator with 0xFF, then release it:
+    one large block (large pool) and many small ones (small pool, < 1 MiB)."""
+    ts = [torch.empty(nbytes, dtype=torch.uint8, device=DEV)]
+    for p in range(9, 20):
+        ts += [torch.empty(1 << p, dtype=torch.uint8, device=DEV) for _ in range(8)]
+    for t in ts:
+        t.fill_(0xFF)
+    del ts
+
+
+def rand(shape, dtype, scale=100.0, special=True, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(shape, generator=g, device=DEV, dtype=torch.float32) * scale
+    if special and x.numel() >= 8:
+        f = x.view(-1)
+        idx = torch.randint(0, x.numel(), (7,), generator=g, device=DEV)
+        vals = torch.tensor([float("nan"), float("inf"), float("-inf"), 1e9, -1e9, 7e4, -7e4], device=DEV)
+        f[idx] = vals
+    return x.to(dtype)
+
+
+def assert_same_fp8(got: torch.Tensor, ref: torch.Tensor):
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert got.dtype == ref.dtype
+    gn, rn = torch.isnan(got.float()), torch.isnan(ref.float())
+    assert torch.equal(gn, rn), f"NaN positions differ: {int((gn != rn).sum())}"
+    gb, rb = got.view(torch.uint8), ref.view(torch.uint8)
+    diff = (gb != rb) & ~rn
+    assert int(diff.sum()) == 0, f"{int(diff.sum())} of {got.numel()} bytes differ"
+
+
+def assert_same_f32(got, ref):
+    assert got.dtype == torch.float32 and ref.dtype == torch.float32
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    same = (got == ref) | (torch.isnan(got) & torch.isnan(ref))
+    assert bool(same.all()), f"{got} vs {ref}"
+
+
+QUANT_SHAPES = [(1, 1, 16), (17, 9, 33), (4095, 4097), (4097, 129), (1, 7), (16384, 4096)]
+
+
+class QuantizeKernelTest(parameterized.TestCase):
+    @parameterized.product(
+        shape=QUANT_SHAPES,
+        in_dtype=[torch.bfloat16, torch.float16, torch.float32],
+        dt=[E4M3, E5M2],
+        transpose=[False, True],
+    )
+    def test_bytes_equal_emulation(self, shape, in_dtype, dt, transpose):
+        if shape == (16384, 4096) and in_dtype == torch.float16 and dt == E5M2:
+            self.skipTest("covered by the other large-shape cases; keeps the run short")
+        x = rand(shape, in_dtype, seed=hash((shape, str(in_dtype))) % 1000)
+        scale = torch.tensor(0.173, device=DEV)
+        poison()
+        q, qt, amax = torch_ops.quantize(x, scale, dt, transpose=transpose)
+        rq, rqt, ramax = emu.quantize(x, scale, dt, transpose=transpose)
+        assert_same_fp8(q, rq)
+        if transpose:
+            assert_same_fp8(qt, rqt)
+        else:
+            self.assertIsNone(qt)
+        assert_same_f32(amax, ramax)
+
+    @parameterized.product(dt=[E4M3, E5M2], transpose=[False, True], shape=[(17, 33), (4095, 129), (64, 128)])
+    def test_padded_layout(self, dt, transpose, shape):
+        """The GEMM-ready layout: rows padded to 16 bytes with zero bytes."""
+        x = rand(shape, torch.bfloat16, special=False)
+        s = torch.tensor(0.05, device=DEV)
+        poison()
+        q, qt, _ = torch.ops.torch_ops.quantize(x, s, dt, transpose, True, True)
+        R, C = shape
+        Cp, Rp = (C + 15) // 16 * 16, (R + 15) // 16 * 16
+        rq = emu.quantize_with_scale(x, s, dt)
+        self.assertEqual(tuple(q.shape), (R, Cp))
+        assert_same_fp8(q[:, :C], rq)
+        self.assertEqual(int(q[:, C:].view(torch.uint8).sum()), 0)
+        if transpose:
+            self.assertEqual(tuple(qt.shape), (C, Rp))
+            assert_same_fp8(qt[:, :R], rq.t().contiguous())
+            self.assertEqual(int(qt[:, R:].view(torch.uint8).sum()), 0)
+
+    @parameterized.product(algo=["max", "most_recent"], dt=[E4M3, E5M2], margin=[0.0, 1.5])
+    def test_delayed_state_matches_emulation(self, algo, dt, margin):
+        H = 5
+        h, s = torch.zeros(H, device=DEV), torch.ones((), device=DEV)
+        rh, rs = h.clone(), s.clone()
+        shapes = [(33, 17), (128, 64), (1, 3), (300, 256), (7, 9), (64, 64), (2, 2)]
+        for k, shp in enumerate(shapes):
+            x = rand(shp, torch.bfloat16, scale=10.0 * (k + 1), special=False, seed=k)
+            if k == 3:
+                x[0, 0] = float("inf")  # not recorded
+            if k == 4:
+                x.zero_()  # recorded (zero)
+            poison()
+            q, qt, su, a = torch_ops.quantize_delayed(x, h, s, dt, margin=margin, amax_compute_algo=algo,
+                                                      transpose=True)
+            rq, rqt, rsu, ra = emu.quantize_delayed(x, rh, rs, dt, margin=margin, amax_compute_algo=algo,
+                                                    transpose=True)
+            assert_same_f32(su, rsu)
+            assert_same_f32(a, ra)
+            assert_same_fp8(q, rq)
+            assert_same_fp8(qt, rqt)
+            assert_same_f32(h, rh)
+            assert_same_f32(s, rs)
+        # after the calls the history holds the finite amaxes, newest first
+        self.assertEqual(h[0].item(), 0.0)
+
+    def test_history_holds_k_amaxes(self):
+        H = 16
+        h, s = torch.zeros(H, device=DEV), torch.ones((), device=DEV)
+        amaxes = []
+        for k in range(10):
+            x = rand((257, 129), torch.float32, scale=k + 1.0, special=False, seed=100 + k)
+            amaxes.insert(0, x.abs().max().item())
+            torch_ops.quantize_delayed(x, h, s, E4M3)
+        self.assertEqual(h[:10].tolist(), amaxes)
+        self.assertEqual(h[10:].abs().max().item(), 0.0)
+        self.assertEqual(s.item(), torch.tensor(max(amaxes)).div(448.0).item())
+
+    def test_record_false_and_seed(self):
+        h, s = torch.zeros(4, device=DEV), torch.full((), 3.0, device=DEV)
+        x = rand((100, 100), torch.bfloat16, special=False)
+        _, _, su, a = torch_ops.quantize_delayed(x, h, s, E4M3, record=False)
+        assert_same_f32(su, emu.compute_scale(a, torch.tensor(3.0, device=DEV), E4M3))
+        self.assertEqual(h.abs().max().item(), 0.0)
+        self.assertEqual(s.item(), 3.0)
+        h[2] = 1.0  # non-empty: the state scale is used as is
+        _, _, su, _ = torch_ops.quantize_delayed(x, h, s, E4M3, record=False)
+        self.assertEqual(su.item(), 3.0)
+
+    @parameterized.product(shape=[(1, 16), (4095, 4097), (256, 512)], dt=[E4M3, E5M2], prev=[False, True])
+    def test_current_matches_emulation(self, shape, dt, prev):
+        x = rand(shape, torch.bfloat16, special=False)
+        p = torch.tensor(0.5, device=DEV) if prev else None
+        q, qt, su, a = torch_ops.quantize_current(x, dt, margin=0.5, prev_scale=p, transpose=True)
+        rq, rqt, rsu, ra = emu.quantize_current(x, dt, margin=0.5, prev_scale=p, transpose=True)
+        assert_same_f32(su, rsu)
+        assert_same_f32(a, ra)
+        assert_same_fp8(q, rq)
+        assert_same_fp8(qt, rqt)
+        # zeros: the fallback scale
+        _, _, su, _ = torch_ops.quantize_current(torch.zeros(4, 4, device=DEV), dt, prev_scale=p)
+        self.assertEqual(su.item(), 0.5 if prev else 1.0)
+
+    @parameterized.product(skip_zero=[False, True], algo=["max", "most_recent"])
+    def test_record_amax_matches_emulation(self, skip_zero, algo):
+        h = torch.rand(2000, device=DEV)  # longer than one block
+        h[1000:] = 0
+        s = torch.full((), 0.1, device=DEV)
+        rh, rs = h.clone(), s.clone()
+        for v in [3.0, 0.0, float("inf"), float("nan"), 1e-3, 5000.0]:
+            a = torch.tensor(v, device=DEV)
+            torch_ops.record_amax(h, s, a, E5M2, amax_compute_algo=algo, skip_zero=skip_zero, margin=1.0)
+            emu.record_amax(rh, rs, a, E5M2, amax_compute_algo=algo, skip_zero=skip_zero, margin=1.0)
+            assert_same_f32(h, rh)
+            assert_same_f32(s, rs)
+
+
+GEMM_SHAPES = [(1, 1, 16), (17, 9, 33), (4095, 4097, 129), (16384, 4096, 4096), (256, 512, 128)]
+
+
+def relerr(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+class GemmKernelTest(parameterized.TestCase):
+    @parameterized.product(
+        mkn=GEMM_SHAPES,
+        types=[(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)],
+        out_dtype=[torch.bfloat16, torch.float32, torch.float16],
+        fast=[True, False],
+        bias=[False, True],
+    )
+    def test_gemm_matches_emulation(self, mkn, types, out_dtype, fast, bias):
+        M, K, N = mkn
+        if M * K * N > 1e10 and (out_dtype != torch.bfloat16 or types != (E4M3, E4M3)):
+            self.skipTest("large shape: one combination is enough")
+        a = rand((M, K), torch.float32, scale=2.0, special=False, seed=1).to(types[0])
+        b = rand((N, K), torch.float32, scale=2.0, special=False, seed=2).to(types[1])
+        sa, sb = torch.tensor(0.37, device=DEV), torch.tensor(1.9, device=DEV)
+        bb = rand((N,), torch.float32, special=False, seed=3).to(out_dtype if out_dtype != torch.float32 else torch.bfloat16) if bias else None
+        poison()
+        out = torch_ops.fp8_gemm(a, b, sa, sb, bias=bb, out_dtype=out_dtype, use_fast_accum=fast)
+        ref = emu.fp8_gemm(a, b, sa, sb, bias=bb, out_dtype=torch.float32)
+        self.assertEqual(out.dtype, out_dtype)
+        self.assertEqual(tuple(out.shape), (M, N))
+        self.assertFalse(bool(torch.isnan(out).any()))
+        tol = {torch.float32: 2e-3, torch.bfloat16: 8e-3, torch.float16: 4e-3}[out_dtype]
+        self.assertLess(relerr(out, ref), tol)
+
+    def test_gemm_non_contiguous_and_offset_inputs(self):
+        a = rand((40, 48), torch.float32, scale=2.0, special=False).to(E4M3)
+        b = rand((24, 48), torch.float32, scale=2.0, special=False, seed=5).to(E4M3)
+        s = torch.ones((), device=DEV)
+        out = torch_ops.fp8_gemm(a[1:, 3:35], b[:, 3:35], s, s, out_dtype=torch.float32)
+        ref = emu.fp8_gemm(a[1:, 3:35], b[:, 3:35], s, s, out_dtype=torch.float32)
+        self.assertLess(relerr(out, ref), 1e-5)
+
+    def test_bad_inputs(self):
+        a = torch.randn(16, 16, device=DEV).to(E5M2)
+        s = torch.ones((), device=DEV)
+        with self.assertRaisesRegex(ValueError, "E5M2 x E5M2"):
+            torch_ops.fp8_gemm(a, a, s, s)
+        with self.assertRaisesRegex(ValueError, "scale_b:"):
+            torch_ops.fp8_gemm(a, a.to(E4M3), s, s.cpu())
+        with self.assertRaisesRegex(ValueError, "x:|scale:"):
+            torch_ops.quantize(torch.randn(4, 4, device=DEV), torch.ones(()), E4M3)

@@ -1,0 +1,190 @@
+"""fp8_linear on the CUDA kernels vs the emulation (skip where no FP8 GPU).
+
+Stated tolerance: outputs and gradients within 1e-2 relative (Frobenius) error
+of torch_ops.emulation.fp8_linear on the same inputs and state. Both quantize
+to identical bytes with identical scales, so the difference is only the GEMM's
+accumulation order and the bf16 rounding of the output; the state (histories
+and scales) must be bit-identical.
+"""
+
+import pytest
+import torch
+from absl.testing import parameterized
+
+import torch_ops
+from torch_ops import emulation as emu
+
+from test_torch_ops_kernels import DEV, poison, rand, relerr
+
+pytestmark = pytest.mark.skipif(
+    not torch_ops.is_available(), reason=f"torch_ops kernels unavailable: {torch_ops.unavailable_reason()}"
+)
+
+TOL = 1e-2
+SHAPES = [(1, 1, 16), (17, 9, 33), (4095, 4097, 129), (2048, 1024, 512), (16384, 4096, 4096)]
+
+
+def make(M, K, N, layout="out_in", dtype=torch.bfloat16, bias=True, seed=0, lead=None):
+    x = rand((M, K), dtype, scale=1.0, special=False, seed=seed)
+    if lead is not None:
+        x = x.reshape(*lead, K)
+    w = rand((N, K), torch.float32, scale=0.05, special=False, seed=seed + 1)
+    if layout == "in_out":
+        w = w.t().contiguous()
+    b = rand((N,), torch.float32, scale=1.0, special=False, seed=seed + 2) if bias else None
+    gy = rand((M, N), dtype, scale=1e-3, special=False, seed=seed + 3)
+    if lead is not None:
+        gy = gy.reshape(*lead, N)
+    return x, w, b, gy
+
+
+def run(f, x, w, b, gy, st, **kw):
+    xx = x.clone().requires_grad_()
+    ww = w.clone().requires_grad_()
+    bb = None if b is None else b.clone().requires_grad_()
+    y = f(xx, ww, bb, state=st, **kw)
+    y.backward(gy)
+    return y.detach(), xx.grad, ww.grad, None if bb is None else bb.grad
+
+
+class LinearKernelTest(parameterized.TestCase):
+    @parameterized.product(mkn=SHAPES, layout=["out_in", "in_out"], fmt=["hybrid", "e4m3"])
+    def test_matches_emulation(self, mkn, layout, fmt):
+        M, K, N = mkn
+        if M * K * N > 1e11 and (layout != "out_in" or fmt != "hybrid"):
+            self.skipTest("large shape: one combination is enough")
+        x, w, b, gy = make(M, K, N, layout)
+        st_k = torch_ops.FP8LinearState.create(16, device=DEV)
+        st_e = torch_ops.FP8LinearState.create(16, device=DEV)
+        for step in range(2):  # step 0 seeds, step 1 uses the delayed scales
+            poison()
+            got = run(torch_ops.fp8_linear, x, w, b, gy, st_k, weight_layout=layout, fp8_format=fmt,
+                      min_gemm_size=0)
+            ref = run(emu.fp8_linear, x, w, b, gy, st_e, weight_layout=layout, fp8_format=fmt)
+            for name, g_, r_ in zip(("out", "dx", "dw", "db"), got, ref):
+                self.assertEqual(g_.dtype, r_.dtype, name)
+                self.assertEqual(g_.shape, r_.shape, name)
+                self.assertFalse(bool(torch.isnan(g_).any()), name)
+                self.assertLess(relerr(g_, r_), TOL, f"{name} step {step}")
+            for u, v in zip(st_k.tensors(), st_e.tensors()):
+                self.assertTrue(torch.equal(u, v))
+
+    @parameterized.parameters("delayed", "current")
+    def test_rank3_fp16_and_fp32(self, scaling):
+        for dtype in (torch.float16, torch.float32):
+            x, w, b, gy = make(6 * 50, 96, 80, dtype=dtype, lead=(6, 50))
+            st_k = torch_ops.FP8LinearState.create(4, device=DEV)
+            st_e = torch_ops.FP8LinearState.create(4, device=DEV)
+            got = run(torch_ops.fp8_linear, x, w, b, gy, st_k, scaling=scaling, min_gemm_size=0)
+            ref = run(emu.fp8_linear, x, w, b, gy, st_e, scaling=scaling)
+            self.assertEqual(got[0].shape, (6, 50, 80))
+            for g_, r_ in zip(got, ref):
+                self.assertLess(relerr(g_, r_), TOL)
+
+    def test_history_after_k_steps_and_inf_gradient(self):
+        x, w, b, gy = make(256, 128, 64)
+        st = torch_ops.FP8LinearState.create(8, device=DEV)
+        xa, ga = [], []
+        for k in range(4):
+            xk = x * (k + 1)
+            gk = gy * (k + 2)
+            run(torch_ops.fp8_linear, xk, w, b, gk, st, min_gemm_size=0)
+            xa.insert(0, xk.float().abs().max().item())
+            ga.insert(0, gk.float().abs().max().item())
+        self.assertEqual(st.input_amax_history[:4].tolist(), xa)
+        self.assertEqual(st.grad_amax_history[:4].tolist(), ga)
+        self.assertEqual(st.kernel_amax_history[:4].tolist(), [w.abs().max().item()] * 4)
+        h, s = st.grad_amax_history.clone(), st.grad_scale.clone()
+        g_inf = gy.clone()
+        g_inf[3, 5] = float("inf")
+        run(torch_ops.fp8_linear, x, w, b, g_inf, st, min_gemm_size=0)
+        self.assertTrue(torch.equal(st.grad_amax_history, h))
+        self.assertTrue(torch.equal(st.grad_scale, s))
+
+    def test_grad_amax_sink(self):
+        x, w, b, gy = make(300, 64, 48)
+        st = torch_ops.FP8LinearState.create(8, device=DEV)
+        sink = torch.zeros((), device=DEV, requires_grad=True)
+        xx = x.clone().requires_grad_()
+        y = torch_ops.fp8_linear(xx, w, b, state=st, grad_amax_sink=sink, min_gemm_size=0)
+        y.backward(gy)
+        self.assertEqual(sink.grad.item(), gy.float().abs().max().item())
+        self.assertEqual(st.grad_amax_history.abs().max().item(), 0.0)
+        self.assertEqual(st.grad_scale.item(), 1.0)
+        self.assertGreater(st.input_amax_history[0].item(), 0.0)
+
+    def test_small_path_keeps_state_like_fp8_path(self):
+        x, w, b, gy = make(64, 32, 16)
+        sts = []
+        for mgs in (0, 1 << 40):
+            st = torch_ops.FP8LinearState.create(8, device=DEV)
+            for _ in range(2):
+                out = run(torch_ops.fp8_linear, x, w, b, gy, st, min_gemm_size=mgs)
+            sts.append(st.tensors())
+            ref = x.float() @ w.t() + b
+            self.assertLess(relerr(out[0], ref), 0.05)
+        for u, v in zip(*sts):
+            self.assertTrue(torch.equal(u, v))
+
+    def test_cuda_graph_replay_equals_eager(self):
+        M, K, N = 512, 256, 384
+        x, w, b, gy = make(M, K, N)
+        steps = 3
+        # eager reference
+        st_e = torch_ops.FP8LinearState.create(8, device=DEV)
+        for _ in range(steps):
+            ref = run(torch_ops.fp8_linear, x, w, b, gy, st_e, min_gemm_size=0)
+        # graph
+        st = torch_ops.FP8LinearState.create(8, device=DEV)
+        st_warm = torch_ops.FP8LinearState.create(8, device=DEV)
+        sx = x.clone().requires_grad_()
+        sw = w.clone().requires_grad_()
+        sb = b.clone().requires_grad_()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                y = torch_ops.fp8_linear(sx, sw, sb, state=st_warm, min_gemm_size=0)
+                y.backward(gy)
+        torch.cuda.current_stream().wait_stream(s)
+        sx.grad = sw.grad = sb.grad = None
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = torch_ops.fp8_linear(sx, sw, sb, state=st, min_gemm_size=0)
+            y.backward(gy)
+        for u in st.tensors():  # capture ran nothing
+            self.assertTrue(float(u.abs().max()) in (0.0, 1.0))
+        for _ in range(steps):
+            g.replay()
+        torch.cuda.synchronize()
+        for u, v in zip(st.tensors(), st_e.tensors()):
+            self.assertTrue(torch.equal(u, v))
+        for name, g_, r_ in zip(("out", "dx", "dw", "db"), (y, sx.grad, sw.grad, sb.grad), ref):
+            self.assertTrue(torch.equal(g_.detach(), r_), name)
+
+    def test_compile_fullgraph_equals_eager(self):
+        x, w, b, gy = make(4 * 128, 256, 192, lead=(4, 128))
+
+        def f(xx, ww, bb, state):
+            return torch_ops.fp8_linear(xx, ww, bb, state=state, min_gemm_size=0)
+
+        cf = torch.compile(f, fullgraph=True)
+        st_e = torch_ops.FP8LinearState.create(8, device=DEV)
+        st_c = torch_ops.FP8LinearState.create(8, device=DEV)
+        for _ in range(3):
+            ref = run(f, x, w, b, gy, st_e)
+            got = run(cf, x, w, b, gy, st_c)
+            for u, v in zip(st_c.tensors(), st_e.tensors()):
+                self.assertTrue(torch.equal(u, v))
+            self.assertTrue(torch.equal(got[0], ref[0]))
+            self.assertTrue(torch.equal(got[1], ref[1]))
+            self.assertTrue(torch.equal(got[2], ref[2]))
+            torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=1e-5)
+
+    def test_bad_inputs_on_cuda(self):
+        st = torch_ops.FP8LinearState.create(4)  # CPU state
+        with self.assertRaisesRegex(ValueError, "state.input_scale"):
+            torch_ops.fp8_linear(torch.randn(4, 8, device=DEV), torch.randn(4, 8, device=DEV), state=st)
+        st = torch_ops.FP8LinearState.create(4, device=DEV)
+        with self.assertRaisesRegex(ValueError, "weight:"):
+            torch_ops.fp8_linear(torch.randn(4, 8, device=DEV), torch.randn(4, 8), state=st)
