@@ -5,6 +5,8 @@ import numpy as np
 
 
 def to_numpy(x):
+    if isinstance(x, keras.Variable):
+        return np.asarray(x.numpy(), np.float32)
     return keras.ops.convert_to_numpy(keras.ops.cast(x, "float32"))
 
 

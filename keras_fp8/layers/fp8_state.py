@@ -21,11 +21,11 @@ true amax) and never record twice.
 from keras import ops
 from keras.src.backend.common.variables import AutocastScope
 
-from keras_fp8 import autocast as autocast_lib
 from keras_fp8 import backends
 from keras_fp8 import policy as policy_lib
 from keras_fp8 import recipes
 from keras_fp8 import scaling
+from keras_fp8.autocast import current as current_autocast
 
 ROLES = ("input", "kernel", "grad")
 # The order in which the state is saved after the layer's own weights.
@@ -57,7 +57,7 @@ class FP8StateMixin:
     def _build_time_recipe(self):
         if self.recipe is not None:
             return self.recipe
-        scope = autocast_lib.current()
+        scope = current_autocast()
         if scope is not None and scope.enabled:
             return scope.recipe
         if isinstance(self.dtype_policy, policy_lib.FP8DTypePolicy):
@@ -116,7 +116,7 @@ class FP8StateMixin:
         the layer is FP8 when its dtype policy is an `FP8DTypePolicy`, using
         the layer's own `recipe` if set, else the policy's.
         """
-        scope = autocast_lib.current()
+        scope = current_autocast()
         if scope is not None:
             return scope.recipe if scope.enabled else None
         policy = self.dtype_policy
