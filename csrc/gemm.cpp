@@ -8,7 +8,7 @@
 // (K x M) col-major, op N.
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
@@ -68,6 +68,20 @@ struct Plan {
 
 std::mutex g_mu;
 std::unordered_map<std::string, Plan> g_plans;
+std::unordered_map<int, cublasLtHandle_t> g_handles;
+
+// Our own cuBLASLt handle per device (created with the cuBLASLt this
+// extension links), rather than torch's cuBLAS handle reinterpreted: the two
+// libraries need not be the same build.
+cublasLtHandle_t lt_handle(int device) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_handles.find(device);
+  if (it != g_handles.end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  TORCH_OPS_CUBLAS_CHECK(cublasLtCreate(&h));
+  g_handles[device] = h;
+  return h;
+}
 
 struct Descs {
   cublasLtMatmulDesc_t op = nullptr;
@@ -169,7 +183,7 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
   std::ostringstream key;
   key << a.get_device() << ':' << M << ',' << N << ',' << Kp << ',' << lda << ',' << ldb << ',' << ldd << ','
       << (int)ta << ',' << (int)tb << ',' << (int)td << ',' << want_bias_fused << ',' << fast_accum;
-  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  cublasLtHandle_t handle = lt_handle(a.get_device());
 
   Plan plan;
   bool have = false;
@@ -211,7 +225,7 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
              plan.bias_fused ? bias->data_ptr() : nullptr, tbias);
   at::Tensor ws = at::empty({(long long)kWorkspaceBytes}, a.options().dtype(at::kByte));
   const float alpha = 1.0f, beta = 0.0f;
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatmul(handle, ds.op, &alpha, b.data_ptr(), ds.a, a.data_ptr(), ds.b, &beta,
                                         out.data_ptr(), ds.d, out.data_ptr(), ds.d, &plan.algo, ws.data_ptr(),
                                         kWorkspaceBytes, stream));

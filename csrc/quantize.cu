@@ -248,16 +248,23 @@ __global__ void __launch_bounds__(kThreads) quant_flat_kernel(
   long long start_scalar = 0;
   if (vec) {
     const long long nv = n / 8;
-    for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < nv; v += stride) {
-      float e[8];
-      Vec8<T>::load(x + v * 8, e);
+    // Two independent 16-byte loads in flight per thread per iteration.
+    for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < nv; v += 2 * stride) {
+      float e[2][8];
+      const bool second = v + stride < nv;
+      Vec8<T>::load(x + v * 8, e[0]);
+      if (second) Vec8<T>::load(x + (v + stride) * 8, e[1]);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[i]));
-      if (q) {
-        uint2 o;
-        o.x = (unsigned)q2<kE5M2>(e[0], e[1], s) | ((unsigned)q2<kE5M2>(e[2], e[3], s) << 16);
-        o.y = (unsigned)q2<kE5M2>(e[4], e[5], s) | ((unsigned)q2<kE5M2>(e[6], e[7], s) << 16);
-        reinterpret_cast<uint2*>(q)[v] = o;
+      for (int u = 0; u < 2; ++u) {
+        if (u == 1 && !second) break;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[u][i]));
+        if (q) {
+          uint2 o;
+          o.x = (unsigned)q2<kE5M2>(e[u][0], e[u][1], s) | ((unsigned)q2<kE5M2>(e[u][2], e[u][3], s) << 16);
+          o.y = (unsigned)q2<kE5M2>(e[u][4], e[u][5], s) | ((unsigned)q2<kE5M2>(e[u][6], e[u][7], s) << 16);
+          reinterpret_cast<uint2*>(q)[v + u * stride] = o;
+        }
       }
     }
     start_scalar = nv * 8;

@@ -42,19 +42,36 @@ for shape in [(17, 33), (4095, 4097), (16384, 4096)]:
         rq, rqt, ra = emu.quantize(x, s, dt, transpose=True)
         nb = lambda u, v: int(((u.view(torch.uint8) != v.view(torch.uint8)) & ~torch.isnan(v.float())).sum())
         print(shape, dt, "q diff", nb(q, rq), "qt diff", nb(qt, rqt), "amax", a.item(), ra.item())
+EOF
+  cat > /tmp/gemm_smoke.py <<'EOF'
+import torch, torch_ops
+from torch_ops import emulation as emu
+e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+for line in open("/proc/self/maps"):
+    if "cublas" in line and "r-xp" in line:
+        print("maps:", line.split()[-1])
 for mkn in [(17, 9, 33), (4096, 4096, 4096)]:
     M, K, N = mkn
     a = torch.randn(M, K, device="cuda").to(e4); b = torch.randn(N, K, device="cuda").to(e4)
     s1, s2 = torch.tensor(0.5, device="cuda"), torch.tensor(2.0, device="cuda")
     o = torch_ops.fp8_gemm(a, b, s1, s2, out_dtype=torch.float32)
     r = emu.fp8_gemm(a, b, s1, s2, out_dtype=torch.float32)
-    print("gemm", mkn, "relerr", ((o - r).norm() / r.norm()).item())
+    print("gemm", mkn, "relerr", ((o - r).norm() / r.norm()).item(), flush=True)
 st = torch_ops.FP8LinearState.create(16, device="cuda")
 x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 w = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 y = torch_ops.fp8_linear(x, w, state=st, min_gemm_size=0); y.backward(torch.randn_like(y))
 print("linear ok", y.shape, x.grad.shape, w.grad.shape, st.grad_amax_history[:2].tolist(), st.grad_scale.item())
 EOF
+  timeout 60 python3 /tmp/gemm_smoke.py 2>&1 | tee -a "$OUT/smoke.txt"
+  rc=$?
+  log "gemm smoke rc=$rc"
+  if [ $rc -ne 0 ]; then
+    echo "gemm smoke failed (rc=$rc): backtrace, then TORCH_OPS_GEMM_BACKEND=scaled_mm for the rest" | tee -a "$OUT/smoke.txt"
+    timeout 90 cuda-gdb -batch -ex run -ex bt --args python3 /tmp/gemm_smoke.py 2>&1 | grep -E "^#|signal|SIG" | head -40 | tee "$OUT/gdb.txt"
+    export TORCH_OPS_GEMM_BACKEND=scaled_mm
+    timeout 60 python3 /tmp/gemm_smoke.py 2>&1 | tee -a "$OUT/smoke.txt"
+  fi
   log "smoke done"
 fi
 
@@ -65,7 +82,7 @@ fi
 
 if has tests; then
   log "tests"
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest ${TESTS:-tests/torch_ops} -q -p no:cacheprovider -rfE \
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest ${TESTS:-tests/torch_ops} -q -p no:cacheprovider -rfE --tb=short \
     --timeout 150 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.txt" | tail -60
   log "tests done"
 fi
@@ -77,8 +94,9 @@ fi
 
 echo
 echo "================ summary ($(($(date +%s) - T0))s) ================"
-grep -E "rc=|available:" "$OUT"/build.txt "$OUT"/smoke.txt 2>/dev/null | head -3
+grep -E "rc=|available:|failed|maps:" "$OUT"/build.txt "$OUT"/smoke.txt 2>/dev/null | head -6
+head -8 "$OUT/gdb.txt" 2>/dev/null
 grep -E "diff|relerr|linear ok" "$OUT/smoke.txt" 2>/dev/null | head -12
-grep -E "^\| ours|^\| device|^\| eager" "$OUT/bench_quantize.txt" 2>/dev/null
+grep -E "^\| " "$OUT/bench_quantize.txt" 2>/dev/null
 tail -3 "$OUT/tests.txt" 2>/dev/null
 sed -n '/### summary/,$p' "$OUT/bench_linear.txt" 2>/dev/null

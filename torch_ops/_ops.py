@@ -14,6 +14,7 @@ is an empty tensor.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -23,6 +24,9 @@ from . import _build
 from . import emulation as emu
 
 _FMT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+# "cublaslt" (csrc/gemm.cpp, default) or "scaled_mm" (torch._scaled_mm, which
+# is cuBLASLt too, through PyTorch): a fallback switch, read once at import.
+GEMM_BACKEND = os.environ.get("TORCH_OPS_GEMM_BACKEND", "cublaslt")
 _ALGO = {"max": 0, "most_recent": 1}
 
 
@@ -192,8 +196,35 @@ def gemm_op(
     use_fast_accum: bool,
 ) -> torch.Tensor:
     if _use_kernel(a):
+        if GEMM_BACKEND == "scaled_mm":
+            return _scaled_mm_gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
         return _build.load().gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
     return emu.fp8_gemm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+def _pad_rows_cols(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    r, c = t.shape
+    if (r, c) == (rows, cols) and t.is_contiguous():
+        return t
+    return F.pad(t.contiguous().view(torch.uint8), (0, cols - c, 0, rows - r)).view(t.dtype)
+
+
+def _scaled_mm_gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
+    M, K = a.shape
+    N = b.shape[0]
+    Kp, Np = _r16(K), _r16(N)
+    a2 = _pad_rows_cols(a, M, Kp)
+    b2 = _pad_rows_cols(b, Np, Kp)
+    fuse = bias is not None and Np == N and out_dtype != torch.float32
+    out = torch._scaled_mm(
+        a2, b2.t(), scale_a=scale_a.reshape(()).float(), scale_b=scale_b.reshape(()).float(),
+        bias=bias.to(out_dtype) if fuse else None, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+    )
+    if Np != N:
+        out = out[:, :N].contiguous()
+    if bias is not None and not fuse:
+        out = (out.float() + bias.float()).to(out_dtype)
+    return out
 
 
 @gemm_op.register_fake
