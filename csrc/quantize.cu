@@ -25,6 +25,7 @@ constexpr int kThreads = 256;
 constexpr int kTileR = 64;    // input rows per tile
 constexpr int kTileC = 128;   // input cols per tile
 constexpr int kSmemStride = kTileC + 8;  // bytes; keeps 8-byte alignment of rows
+constexpr int kTileBlocksPerSM = 4;     // persistent grid: blocks per SM (58-61 registers: 4 resident)
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
@@ -78,6 +79,25 @@ struct Vec8<float> {
     float4 b = reinterpret_cast<const float4*>(p)[1];
     f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
     f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  }
+};
+
+// Raw 8-element vector: kept packed in registers between the load and the
+// convert (4 registers for 16-bit inputs instead of 8 floats).
+template <typename T>
+struct Raw8 {
+  static constexpr int kWords = sizeof(T) * 8 / 16;
+  union {
+    uint4 u[kWords];
+    T t[8];
+  };
+  __device__ __forceinline__ void load(const T* p) {
+#pragma unroll
+    for (int j = 0; j < kWords; ++j) u[j] = reinterpret_cast<const uint4*>(p)[j];
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int j = 0; j < kWords; ++j) u[j] = make_uint4(0u, 0u, 0u, 0u);
   }
 };
 
@@ -283,30 +303,37 @@ __global__ void __launch_bounds__(kThreads) quant_flat_kernel(
 // written as zero bytes. Tiles of 64 x 128 input elements; the transpose goes
 // through shared memory.
 template <typename T, bool kE5M2>
-__global__ void __launch_bounds__(kThreads) quant_tile_kernel(
+__global__ void __launch_bounds__(kThreads, kTileBlocksPerSM) quant_tile_kernel(
     const T* __restrict__ x, long long R, long long C, bool vec, uint8_t* __restrict__ q, long long ldq,
-    uint8_t* __restrict__ qt, long long ldqt, Finalize f) {
+    uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
   __shared__ unsigned smem[32];
   __shared__ __align__(16) uint8_t tile[kTileR * kSmemStride];
   const float s = *f.scale_used;
-  const long long r0 = (long long)blockIdx.y * kTileR;
-  const long long c0 = (long long)blockIdx.x * kTileC;
   unsigned local = 0u;
+  const long long ntx = (ext_c + kTileC - 1) / kTileC;
+  const long long ntiles = ntx * ((ext_r + kTileR - 1) / kTileR);
+  // Persistent blocks: each walks several tiles, so the amax atomics and the
+  // last-block handshake happen once per block, not once per tile.
+  for (long long tile_id = blockIdx.x; tile_id < ntiles; tile_id += gridDim.x) {
+  const long long r0 = (tile_id / ntx) * kTileR;
+  const long long c0 = (tile_id % ntx) * kTileC;
   constexpr int kIters = (kTileR * kTileC / 8) / kThreads;
 
   // All loads of the tile first (several 16-byte loads in flight per thread),
   // then convert, quantize and store.
-  float e[kIters][8];
+  Raw8<T> raw[kIters];
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int slot = threadIdx.x + it * kThreads;
     const long long r = r0 + slot / (kTileC / 8);
     const long long c = c0 + (slot % (kTileC / 8)) * 8;
     if (vec && r < R && c + 8 <= C) {
-      Vec8<T>::load(x + r * C + c, e[it]);
+      raw[it].load(x + r * C + c);
     } else {
+      raw[it].zero();
 #pragma unroll
-      for (int i = 0; i < 8; ++i) e[it][i] = (r < R && c + i < C) ? to_f32(x[r * C + c + i]) : 0.f;
+      for (int i = 0; i < 8; ++i)
+        if (r < R && c + i < C) raw[it].t[i] = x[r * C + c + i];
     }
   }
 #pragma unroll
@@ -316,11 +343,14 @@ __global__ void __launch_bounds__(kThreads) quant_tile_kernel(
     const int lv = slot % (kTileC / 8);
     const long long r = r0 + lr;
     const long long c = c0 + lv * 8;
+    float e[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[it][i]));
+    for (int i = 0; i < 8; ++i) e[i] = to_f32(raw[it].t[i]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[i]));
     uint2 o;
-    o.x = (unsigned)q2<kE5M2>(e[it][0], e[it][1], s) | ((unsigned)q2<kE5M2>(e[it][2], e[it][3], s) << 16);
-    o.y = (unsigned)q2<kE5M2>(e[it][4], e[it][5], s) | ((unsigned)q2<kE5M2>(e[it][6], e[it][7], s) << 16);
+    o.x = (unsigned)q2<kE5M2>(e[0], e[1], s) | ((unsigned)q2<kE5M2>(e[2], e[3], s) << 16);
+    o.y = (unsigned)q2<kE5M2>(e[4], e[5], s) | ((unsigned)q2<kE5M2>(e[6], e[7], s) << 16);
     // Elements outside x are padding: exact zero bytes, whatever the scale.
     if (!(r < R && c + 8 <= C)) {
 #pragma unroll
@@ -369,7 +399,9 @@ __global__ void __launch_bounds__(kThreads) quant_tile_kernel(
           if (ocol + i < ldqt) qt[orow * ldqt + ocol + i] = (uint8_t)((w[i >> 2] >> (8 * (i & 3))) & 0xffu);
       }
     }
+    __syncthreads();  // the next tile reuses the shared tile
   }
+  }  // tiles
   unsigned bm = block_reduce_max(local, smem);
   block_done(bm, f, smem);
 }
@@ -469,12 +501,14 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       // Cover the padded extents too, so that padding bytes get written.
       const long long ext_c = std::max<long long>(C, qp ? ldq : C);
       const long long ext_r = std::max<long long>(R, qtp ? ldqt : R);
-      dim3 grid((unsigned)((ext_c + kTileC - 1) / kTileC), (unsigned)((ext_r + kTileR - 1) / kTileR));
-      TORCH_CHECK(grid.y <= 65535u, "x: too many rows for the transpose kernel (", R, ")");
+      const long long ntiles = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + kTileR - 1) / kTileR);
+      const long long blocks = std::max<long long>(1, std::min<long long>(ntiles, (long long)kTileBlocksPerSM * num_sms()));
       if (fmt == 1)
-        quant_tile_kernel<T, true><<<grid, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, f);
+        quant_tile_kernel<T, true><<<(unsigned)blocks, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r,
+                                                                             ext_c, f);
       else
-        quant_tile_kernel<T, false><<<grid, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, f);
+        quant_tile_kernel<T, false><<<(unsigned)blocks, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r,
+                                                                              ext_c, f);
     }
   });
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());
