@@ -80,6 +80,7 @@ def _decode_name(name):
     fp8_format = POLICY_NAMES[base][1]
     kwargs = {}
     scaling = "delayed"
+    min_gemm_size = None
     if settings:
         if not settings.endswith("]"):
             raise ValueError(
@@ -96,6 +97,15 @@ def _decode_name(name):
             key = key.strip()
             if key == "scaling":
                 scaling = text.strip()
+                continue
+            if key == "min_gemm_size":
+                try:
+                    min_gemm_size = int(text)
+                except ValueError:
+                    raise ValueError(
+                        f"Invalid value {text!r} for 'min_gemm_size' in FP8 "
+                        f"dtype policy name {name!r}: expected an integer."
+                    ) from None
                 continue
             try:
                 kwargs[key] = _parse_value(key, text.strip())
@@ -115,7 +125,7 @@ def _decode_name(name):
         raise ValueError(
             f"Invalid settings in FP8 dtype policy name {name!r}: {e}"
         ) from None
-    return base, recipe
+    return base, recipe, min_gemm_size
 
 
 @register_keras_serializable(package="keras_fp8")
@@ -134,6 +144,10 @@ class FP8DTypePolicy(keras.DTypePolicy):
         recipe: Optional `DelayedScaling` or `CurrentScaling`. Its
             `fp8_format` must agree with the name; its other settings are
             encoded into the policy's `name`.
+        min_gemm_size: Optional integer: on the compiled torch path, FP8
+            layers whose `M*N*K` is below it run their GEMMs in the compute
+            dtype (FP8 cannot win at small shapes) while still updating the
+            FP8 state. Encoded into the name as well.
 
     Example:
 
@@ -145,10 +159,21 @@ class FP8DTypePolicy(keras.DTypePolicy):
     'fp8_hybrid[history_len=16]'
     """
 
-    def __init__(self, name=None, recipe=None):
+    def __init__(self, name=None, recipe=None, min_gemm_size=None):
         if name is None:
             name = "fp8_hybrid"
-        base, name_recipe = _decode_name(name)
+        base, name_recipe, name_min_gemm_size = _decode_name(name)
+        if min_gemm_size is None:
+            min_gemm_size = name_min_gemm_size
+        if min_gemm_size is not None and (
+            isinstance(min_gemm_size, bool)
+            or not isinstance(min_gemm_size, int)
+            or min_gemm_size < 0
+        ):
+            raise ValueError(
+                "Invalid `min_gemm_size`. Expected None or an integer >= 0. "
+                f"Received: min_gemm_size={min_gemm_size!r}"
+            )
         if recipe is not None:
             recipe = recipes.get(recipe)
             if recipe.fp8_format != name_recipe.fp8_format:
@@ -166,7 +191,12 @@ class FP8DTypePolicy(keras.DTypePolicy):
             recipe = name_recipe
         self._base_name = base
         self._recipe = recipe
-        self._name = base + _encode_recipe(recipe)
+        self._min_gemm_size = min_gemm_size
+        settings = _encode_recipe(recipe)
+        if min_gemm_size is not None:
+            extra = f"min_gemm_size={min_gemm_size}"
+            settings = f"[{settings[1:-1]},{extra}]" if settings else f"[{extra}]"
+        self._name = base + settings
         self._compute_dtype = POLICY_NAMES[base][0]
         self._variable_dtype = "float32"
         self._quantization_mode = None
@@ -175,6 +205,12 @@ class FP8DTypePolicy(keras.DTypePolicy):
     def recipe(self):
         """The scaling recipe FP8 layers use under this policy."""
         return self._recipe
+
+    @property
+    def min_gemm_size(self):
+        """`M*N*K` below which compiled FP8 layers run their GEMMs in the
+        compute dtype (None: the library default)."""
+        return self._min_gemm_size
 
     @property
     def fp8_format(self):

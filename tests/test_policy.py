@@ -192,3 +192,24 @@ class PolicyReloadTest(parameterized.TestCase):
             self.assertEqual(layer.dtype_policy.name, name)
         self.assertEqual(loaded.layers[0].dtype_policy.recipe.history_len, 8)
         self.assertEqual(tuple(loaded.layers[0].input_amax_history.shape), (8,))
+
+
+class MinGemmSizeTest(parameterized.TestCase):
+    def test_policy_and_layer_setting(self):
+        policy = keras_fp8.FP8DTypePolicy("fp8_hybrid", min_gemm_size=4096)
+        self.assertEqual(policy.name, "fp8_hybrid[min_gemm_size=4096]")
+        rebuilt = keras.dtype_policies.get(policy.name)
+        self.assertEqual(rebuilt.min_gemm_size, 4096)
+        named = keras.dtype_policies.get("fp8_hybrid[history_len=8,min_gemm_size=0]")
+        self.assertEqual((named.recipe.history_len, named.min_gemm_size), (8, 0))
+        layer = FP8Dense(4, dtype=policy.name)
+        self.assertEqual(layer._min_gemm_size(), 4096)
+        layer = FP8Dense(4, dtype=policy.name, min_gemm_size=7)
+        self.assertEqual(layer._min_gemm_size(), 7)
+        self.assertEqual(FP8Dense.from_config(layer.get_config()).min_gemm_size, 7)
+
+    def test_bad_values(self):
+        with self.assertRaisesRegex(ValueError, "min_gemm_size"):
+            FP8Dense(4, min_gemm_size=-1)
+        with self.assertRaisesRegex(ValueError, "min_gemm_size"):
+            keras.dtype_policies.get("fp8_hybrid[min_gemm_size=big]")

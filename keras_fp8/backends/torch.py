@@ -93,6 +93,83 @@ class _FP8Matmul(torch.autograd.Function):
         return (dx, dkernel, dpending) + (None,) * 7
 
 
+class _EmitToken(torch.autograd.Function):
+    """Identity on `y` whose backward adds `[0, token]` to the pending grad.
+
+    `torch_ops.fp8_linear` returns the output gradient's amax as the gradient
+    of `pending[0]`; this adds the fold token in `pending[1]`.
+    """
+
+    @staticmethod
+    def forward(ctx, y, pending, token):
+        ctx.save_for_backward(token)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token,) = ctx.saved_tensors
+        dpending = torch.stack([torch.zeros_like(token), token])
+        return grad, dpending, None
+
+
+def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
+    """`x @ kernel (+ bias)` through `torch_ops.fp8_linear`, or None.
+
+    Runs when the compiled kernels can serve `x`'s device. The layer's Keras
+    variables are the kernels' state buffers: the fused quantize kernels
+    update the input and kernel histories and scales in place (no copies, no
+    host sync); the output gradient's amax and the fold token return through
+    the gradient of `grad_amax_pending`, exactly as on the emulated path.
+
+    Args:
+        layer: The FP8 layer (its state variables and fold logic are used).
+        x: `(M, K)` tensor in the compute dtype.
+        kernel: `(K, N)` float32 kernel (the variable's own tensor).
+        bias: Optional `(N,)` bias variable (read in the compute dtype),
+            fused in the GEMM.
+        recipe: The call's recipe.
+        training: Whether amaxes are recorded.
+        min_gemm_size: `M*N*K` below which the GEMMs run in the compute dtype
+            (None: `torch_ops.DEFAULT_MIN_GEMM_SIZE`).
+
+    Returns:
+        The `(M, N)` output, or None when the kernels cannot run here.
+    """
+    torch_ops = _kernels_for(x)
+    if torch_ops is None:
+        return None
+    if training:
+        _, _, token = layer._fold_pending_grad_amax(recipe, recipe.backward_format)
+    else:
+        token = torch.zeros((), dtype=torch.float32, device=x.device)
+    state = torch_ops.FP8LinearState(
+        input_scale=layer.input_scale.value,
+        input_amax_history=layer.input_amax_history.value,
+        kernel_scale=layer.kernel_scale.value,
+        kernel_amax_history=layer.kernel_amax_history.value,
+        grad_scale=layer.grad_scale.value,
+        grad_amax_history=layer.grad_amax_history.value,
+    )
+    pending = layer._raw_value(layer.grad_amax_pending)
+    y = torch_ops.fp8_linear(
+        x,
+        kernel,
+        None if bias is None else bias.value,
+        state=state,
+        fp8_format=recipe.fp8_format,
+        scaling=recipe.name,
+        margin=float(recipe.margin),
+        amax_compute_algo=getattr(recipe, "amax_compute_algo", "max"),
+        weight_layout="in_out",
+        training=bool(training),
+        grad_amax_sink=pending[0] if pending.requires_grad else None,
+        min_gemm_size=min_gemm_size,
+    )
+    if not pending.requires_grad:
+        return y
+    return _EmitToken.apply(y, pending, token.detach())
+
+
 def fp8_matmul(
     x, kernel, grad_amax_pending, x_scale, kernel_scale, grad_scale,
     grad_history, emit_token, *, recipe,

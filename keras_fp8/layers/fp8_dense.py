@@ -34,6 +34,10 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
             `keras.layers.Dense`.
         recipe: Optional `keras_fp8.DelayedScaling` / `CurrentScaling`. If
             None, the policy's recipe (or the default `DelayedScaling()`).
+        min_gemm_size: On the compiled torch path, `M*N*K` below which the
+            GEMMs run in the compute dtype (FP8 cannot win at small shapes)
+            while the FP8 state is still updated. None: the policy's setting,
+            else `torch_ops.DEFAULT_MIN_GEMM_SIZE`.
         **kwargs: Base layer keyword arguments, such as `name` and `dtype`.
 
     Input shape:
@@ -51,9 +55,9 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
     ((8, 32), (1024,))
     """
 
-    def __init__(self, units, *, recipe=None, **kwargs):
+    def __init__(self, units, *, recipe=None, min_gemm_size=None, **kwargs):
         super().__init__(units, **kwargs)
-        self._init_fp8(recipe)
+        self._init_fp8(recipe, min_gemm_size)
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -73,11 +77,10 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
         input_dim = self._kernel.shape[0]
         x = ops.reshape(inputs, (-1, input_dim))
         y = self._fp8_matmul(
-            x, self._raw_value(self._kernel), recipe, bool(training)
+            x, self._raw_value(self._kernel), recipe, bool(training),
+            bias=self.bias,
         )
         y = ops.reshape(y, tuple(ops.shape(inputs)[:-1]) + (self.units,))
-        if self.bias is not None:
-            y = ops.add(y, self.bias)
         if self.activation is not None:
             y = self.activation(y)
         return y
@@ -102,6 +105,7 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
 
     def get_config(self):
         config = super().get_config()
+        config["min_gemm_size"] = self.min_gemm_size
         config["recipe"] = (
             keras.saving.serialize_keras_object(self.recipe)
             if self.recipe is not None

@@ -95,6 +95,7 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         activity_regularizer, kernel_constraint, bias_constraint, lora_rank,
         lora_alpha: As in `keras.layers.EinsumDense`.
         recipe: Optional `keras_fp8.DelayedScaling` / `CurrentScaling`.
+        min_gemm_size: As in `FP8Dense`.
         **kwargs: Base layer keyword arguments, such as `name` and `dtype`.
 
     Example:
@@ -106,9 +107,12 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
     (2, 5, 4, 8)
     """
 
-    def __init__(self, equation, output_shape, *, recipe=None, **kwargs):
+    def __init__(
+        self, equation, output_shape, *, recipe=None, min_gemm_size=None,
+        **kwargs,
+    ):
         super().__init__(equation, output_shape, **kwargs)
-        self._init_fp8(recipe)
+        self._init_fp8(recipe, min_gemm_size)
 
     def build(self, input_shape):
         self._plan = MatmulPlan(self.equation, len(input_shape))
@@ -157,6 +161,7 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
 
     def get_config(self):
         config = super().get_config()
+        config["min_gemm_size"] = self.min_gemm_size
         config["recipe"] = (
             keras.saving.serialize_keras_object(self.recipe)
             if self.recipe is not None

@@ -51,8 +51,18 @@ class FP8StateMixin:
     `_fp8_matmul(x2d, kernel2d, recipe, training)`.
     """
 
-    def _init_fp8(self, recipe):
+    def _init_fp8(self, recipe, min_gemm_size):
         self.recipe = recipes.get(recipe) if recipe is not None else None
+        if min_gemm_size is not None and (
+            isinstance(min_gemm_size, bool)
+            or not isinstance(min_gemm_size, int)
+            or min_gemm_size < 0
+        ):
+            raise ValueError(
+                "Invalid `min_gemm_size`. Expected None or an integer >= 0. "
+                f"Received: min_gemm_size={min_gemm_size!r}"
+            )
+        self.min_gemm_size = min_gemm_size
 
     def _build_time_recipe(self):
         if self.recipe is not None:
@@ -124,6 +134,11 @@ class FP8StateMixin:
             return None
         return self.recipe if self.recipe is not None else policy.recipe
 
+    def _min_gemm_size(self):
+        if self.min_gemm_size is not None:
+            return self.min_gemm_size
+        return getattr(self.dtype_policy, "min_gemm_size", None)
+
     def _raw_value(self, variable):
         """The variable's value in its own dtype (no mixed-precision cast)."""
         with AutocastScope(None):
@@ -184,18 +199,34 @@ class FP8StateMixin:
             scale_var.assign(new_scale)
         return ops.stop_gradient(scale_used)
 
-    def _fp8_matmul(self, x, kernel, recipe, training):
-        """`x @ kernel` with FP8 operands; updates the FP8 state if training.
+    def _fp8_matmul(self, x, kernel, recipe, training, bias=None):
+        """`x @ kernel (+ bias)` with FP8 operands; updates the state if training.
 
         Args:
             x: `(M, K)` tensor in the compute dtype.
             kernel: `(K, N)` float32 kernel (the variable's own value).
             recipe: The call's recipe.
             training: Whether to record amaxes and fold the gradient amax.
+            bias: Optional `(N,)` bias, added to the output (fused into the
+                GEMM where the backend can).
 
         Returns:
             `(M, N)` tensor in `x`'s dtype.
         """
+        backend = backends.get()
+        fused = getattr(backend, "fused_fp8_matmul", None)
+        if fused is not None:
+            y = fused(
+                self, x, kernel, bias, recipe, training, self._min_gemm_size()
+            )
+            if y is not None:
+                return y
+        y = self._emulated_or_xla_fp8_matmul(x, kernel, recipe, training)
+        if bias is not None:
+            y = ops.add(y, bias)
+        return y
+
+    def _emulated_or_xla_fp8_matmul(self, x, kernel, recipe, training):
         fwd_fmt, bwd_fmt = recipe.forward_format, recipe.backward_format
         x_scale = self._operand_scale("input", x, fwd_fmt, recipe, training)
         kernel_scale = self._operand_scale(
