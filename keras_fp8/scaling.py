@@ -3,14 +3,22 @@
 Every backend and every compiled kernel must reproduce these functions bit for
 bit (for the same inputs and scale). Conventions, from DESIGN.md:
 
-- `scale` is the dequantization step: `q = cast(clip(x / scale, -max, max))`
-  and `x ~= q * scale`.
-- `scale = amax_window / fmt_max / 2**margin`; a zero or non-finite window
-  keeps the previous scale.
+- `scale` is the dequantization step: `q = cast(clip(x * (1 / scale)))`,
+  clipped to the format's range, and `x ~= q * scale`.
+- `scale = (amax_window * f32(1 / fmt_max)) * f32(2**-margin)`; a zero or
+  non-finite window keeps the previous scale.
+
+Why reciprocals, not divisions: XLA rewrites a division by a broadcast scalar
+or a constant into a multiplication by its reciprocal (on CPU and GPU), so
+`x / scale` is not bit-reproducible across backends, while a scalar
+reciprocal followed by an elementwise product rounds the same way in NumPy,
+torch, XLA and the CUDA kernels. (DESIGN.md writes `x / scale`; this is the
+bit-exact form of it, recorded in docs/numerics.md.)
 - `history[0]` is the newest amax; recording shifts by one and writes slot 0.
   A non-finite amax is never recorded.
 """
 
+import numpy as np
 from keras import ops
 
 from keras_fp8 import recipes
@@ -19,8 +27,8 @@ from keras_fp8 import recipes
 def quantize(x, scale, fmt):
     """Quantizes `x` to FP8 with a saturating cast.
 
-    The division is done in float32 and the result is clipped to the format's
-    range before the cast: JAX/ml_dtypes turn E4M3 overflow into NaN and every
+    `x` is multiplied by `reciprocal(scale)` in float32 and the result is
+    clipped to the format's range before the cast: JAX/ml_dtypes turn E4M3 overflow into NaN and every
     backend turns E5M2 overflow into inf, while FP8 training wants saturation.
     NaN stays NaN (clipping keeps it).
 
@@ -33,10 +41,15 @@ def quantize(x, scale, fmt):
         A tensor of dtype `float8_e4m3fn` or `float8_e5m2`, shaped like `x`.
     """
     fmt_max = recipes.FORMAT_MAX[fmt]
-    scaled = ops.divide(ops.cast(x, "float32"), scale)
+    scaled = ops.multiply(ops.cast(x, "float32"), reciprocal(scale))
     return ops.cast(
         ops.clip(scaled, -fmt_max, fmt_max), recipes.FORMAT_DTYPE[fmt]
     )
+
+
+def reciprocal(scale):
+    """`1 / scale` in float32 (one correctly rounded scalar division)."""
+    return ops.divide(1.0, ops.cast(scale, "float32"))
 
 
 def dequantize(q, scale, dtype="float32"):
@@ -54,6 +67,11 @@ def is_usable_amax(amax):
     return ops.logical_and(ops.isfinite(amax), ops.greater(amax, 0.0))
 
 
+def inverse_format_max(fmt):
+    """`1 / fmt_max` rounded to float32: the constant scales are built from."""
+    return np.float32(1.0 / recipes.FORMAT_MAX[fmt])
+
+
 def compute_scale(amax_window, previous_scale, fmt, margin=0.0):
     """Returns the scale for `amax_window`, or `previous_scale` if unusable.
 
@@ -67,8 +85,10 @@ def compute_scale(amax_window, previous_scale, fmt, margin=0.0):
     Returns:
         A float32 scalar tensor.
     """
-    fmt_max = recipes.FORMAT_MAX[fmt]
-    scale = ops.divide(ops.divide(amax_window, fmt_max), 2.0 ** float(margin))
+    scale = ops.multiply(
+        ops.multiply(amax_window, inverse_format_max(fmt)),
+        np.float32(2.0 ** -float(margin)),
+    )
     return ops.where(is_usable_amax(amax_window), scale, previous_scale)
 
 

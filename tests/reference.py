@@ -11,7 +11,7 @@ FMT = {
 
 def quantize(x, scale, fmt):
     dtype, fmt_max = FMT[fmt]
-    scaled = np.asarray(x, np.float32) / np.float32(scale)
+    scaled = np.asarray(x, np.float32) * (np.float32(1.0) / np.float32(scale))
     return np.clip(scaled, -fmt_max, fmt_max).astype(dtype)
 
 
@@ -27,7 +27,8 @@ def compute_scale(window, prev, fmt, margin=0.0):
     window = np.float32(window)
     if not np.isfinite(window) or window <= 0:
         return np.float32(prev)
-    return np.float32(window / np.float32(FMT[fmt][1])) / np.float32(2.0**margin)
+    inverse_max = np.float32(1.0 / FMT[fmt][1])
+    return np.float32(window * inverse_max) * np.float32(2.0 ** -margin)
 
 
 class DelayedOperand:

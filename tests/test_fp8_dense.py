@@ -70,7 +70,7 @@ class FP8DenseNumericsTest(parameterized.TestCase):
         np.testing.assert_allclose(grads[layer.bias.path], g.sum(0), rtol=1e-2)
         # The pending gradient amax: [amax of the output gradient, token 1].
         np.testing.assert_array_equal(
-            grads[layer.grad_amax_pending.path], [reference.amax(g), 1.0]
+            grads[layer.grad_amax_pending.path], [reference.amax(g), 1.0, 0.0]
         )
         # State after the call: amaxes recorded, next scales published.
         np.testing.assert_array_equal(
@@ -167,7 +167,7 @@ class FP8DenseTwiceTest(parameterized.TestCase):
         g_amax = reference.amax(_bf16(upstream))
         # Both uses see the same upstream gradient: amaxes sum (upper bound),
         # tokens sum to 2 (two uses, token 1).
-        np.testing.assert_allclose(pending, [2 * g_amax, 2.0], rtol=1e-6)
+        np.testing.assert_allclose(pending, [2 * g_amax, 2.0, 0.0], rtol=1e-6)
 
         # The optimizer overwrites the pending value; the next forward (two
         # calls again) folds it exactly once.
@@ -230,7 +230,7 @@ class FP8DenseBehaviourTest(parameterized.TestCase):
         for role in ("input", "kernel", "grad"):
             self.assertEqual(shapes[f"{role}_scale"], ((), "float32", False))
             self.assertEqual(shapes[f"{role}_amax_history"], ((16,), "float32", False))
-        self.assertEqual(shapes["grad_amax_pending"], ((2,), "float32", True))
+        self.assertEqual(shapes["grad_amax_pending"], ((3,), "float32", True))
         self.assertTrue(layer.grad_amax_pending.overwrite_with_gradient)
         self.assertEqual(float(to_numpy(layer.input_scale)), 1.0)
         self.assertEqual(len(layer.trainable_weights), 3)

@@ -11,7 +11,7 @@ given scales, and a backward pass that quantizes the output gradient once (to
 the backward format, seeding its scale from its own amax while `grad_history`
 is empty) for both the input and the kernel gradient. The "gradient" of
 `grad_amax_pending` is `[amax of the output gradient (0 if not finite),
-emit_token]`: see `keras_fp8/layers/fp8_state.py`.
+emit_token, 0]`: see `keras_fp8/layers/fp8_state.py`.
 
 `torch` runs the compiled kernels of `torch_ops` on FP8-capable CUDA GPUs and
 the exact emulation elsewhere; `jax` runs FP8 `dot_general` through XLA on

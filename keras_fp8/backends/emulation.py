@@ -70,5 +70,7 @@ def backward(
         ops.transpose(x_q), grad_q, ops.multiply(x_scale, scale), kernel_dtype
     )
     finite_amax = ops.where(ops.isfinite(amax), amax, ops.zeros_like(amax))
-    dpending = ops.stack([finite_amax, ops.cast(emit_token, "float32")])
+    dpending = ops.stack(
+        [finite_amax, ops.cast(emit_token, "float32"), ops.zeros_like(amax)]
+    )
     return dx, dkernel, dpending

@@ -94,7 +94,7 @@ class _FP8Matmul(torch.autograd.Function):
 
 
 class _EmitToken(torch.autograd.Function):
-    """Identity on `y` whose backward adds `[0, token]` to the pending grad.
+    """Identity on `y` whose backward adds `[0, token, 0]` to the pending grad.
 
     `torch_ops.fp8_linear` returns the output gradient's amax as the gradient
     of `pending[0]`; this adds the fold token in `pending[1]`.
@@ -108,7 +108,8 @@ class _EmitToken(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (token,) = ctx.saved_tensors
-        dpending = torch.stack([torch.zeros_like(token), token])
+        zero = torch.zeros_like(token)
+        dpending = torch.stack([zero, token, zero])
         return grad, dpending, None
 
 

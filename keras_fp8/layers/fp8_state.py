@@ -7,15 +7,21 @@ checkpoint is the state.
 
 The output gradient's amax cannot be assigned from inside a backward pass on
 every backend (JAX forbids it), so it travels through the gradient channel:
-`grad_amax_pending` is a trainable `(2,)` variable with
-`overwrite_with_gradient=True`. Its "gradient" is `[amax, token]`; Keras
+`grad_amax_pending` is a trainable `(3,)` variable with
+`overwrite_with_gradient=True`. Its "gradient" is `[amax, token, 0]`; Keras
 optimizers overwrite it with that value instead of applying an update. The
 next training forward folds a fresh pending amax into `grad_amax_history` and
-`grad_scale`. `grad_fold_state = [folds, last_token]` (non-trainable) tells a
-fresh pending value from one already folded: a skipped fp16 step never
-reaches the optimizer's overwrite, and a layer called twice in one step
-folds once. Two uses in one step sum their amaxes (an upper bound of the
-true amax) and never record twice.
+`grad_scale`. `grad_fold_state = [folds, last_token, last_loss_scale]`
+(non-trainable) tells a fresh pending value from one already folded: a skipped
+fp16 step never reaches the optimizer's overwrite, and a layer called twice in
+one step folds once. Two uses in one step sum their amaxes (an upper bound of
+the true amax) and never record twice.
+
+The third entry carries the fp16 loss scale: `keras_fp8.optimizers.
+LossScaleOptimizer` writes the loss scale in effect after each step there (and
+converts the pending amax to it); when it differs from `last_loss_scale`, the
+fold rescales the gradient history and scale by the same factor, so the next
+E5M2 gradient neither saturates nor underflows. Zero means "no loss scaling".
 """
 
 from keras import ops
@@ -98,16 +104,18 @@ class FP8StateMixin:
             setattr(self, f"{role}_amax_history", history)
         self.grad_amax_pending = self.add_weight(
             name="grad_amax_pending",
-            shape=(2,),
+            shape=(3,),
             initializer="zeros",
             dtype="float32",
             trainable=True,
             autocast=False,
         )
         self.grad_amax_pending.overwrite_with_gradient = True
+        # Lets keras_fp8.optimizers.LossScaleOptimizer find it.
+        self.grad_amax_pending._keras_fp8_pending_grad_amax = True
         self.grad_fold_state = self.add_weight(
             name="grad_fold_state",
-            shape=(2,),
+            shape=(3,),
             initializer="zeros",
             dtype="float32",
             trainable=False,
@@ -155,8 +163,24 @@ class FP8StateMixin:
         fold_state = self.grad_fold_state.value
         history = self.grad_amax_history.value
         scale = self.grad_scale.value
-        amax, token = pending[0], pending[1]
-        folds, last_token = fold_state[0], fold_state[1]
+        amax, token, loss_scale = pending[0], pending[1], pending[2]
+        folds, last_token, last_loss_scale = (
+            fold_state[0], fold_state[1], fold_state[2]
+        )
+        # A changed fp16 loss scale rescales what was recorded under the old
+        # one (factors are powers of two: exact).
+        rescale = ops.where(
+            ops.logical_and(
+                ops.greater(loss_scale, 0.0), ops.greater(last_loss_scale, 0.0)
+            ),
+            ops.divide(loss_scale, ops.maximum(last_loss_scale, 1e-30)),
+            1.0,
+        )
+        history = ops.multiply(history, rescale)
+        scale = ops.multiply(scale, rescale)
+        new_last_loss_scale = ops.where(
+            ops.greater(loss_scale, 0.0), loss_scale, last_loss_scale
+        )
         fresh = ops.logical_and(
             ops.greater(token, 0.0), ops.not_equal(token, last_token)
         )
@@ -178,7 +202,9 @@ class FP8StateMixin:
         new_last_token = ops.where(fresh, token, last_token)
         self.grad_amax_history.assign(new_history)
         self.grad_scale.assign(new_scale)
-        self.grad_fold_state.assign(ops.stack([new_folds, new_last_token]))
+        self.grad_fold_state.assign(
+            ops.stack([new_folds, new_last_token, new_last_loss_scale])
+        )
         return new_history, new_scale, new_folds + 1.0
 
     def _operand_scale(self, role, x, fmt, recipe, training):

@@ -1,0 +1,118 @@
+"""Loss scaling for fp16 FP8 training.
+
+`LossScaleOptimizer` is Keras's own (same arguments, `isinstance` holds, and
+Keras's `compile` does not wrap it again), made FP8-aware: after every step it
+writes the loss scale now in effect into each FP8 layer's
+`grad_amax_pending[2]` and converts the pending gradient amax to that scale,
+so the layer's next forward rescales its gradient amax history and scale by
+the same factor as the loss scale (see `keras_fp8/layers/fp8_state.py`). A step
+with non-finite gradients is skipped as in Keras: weights unchanged, the loss
+scale halved, and (the pending amax not being overwritten) no gradient amax
+recorded from that step.
+
+`import keras_fp8` also makes `Model.compile` wrap the optimizer in this
+class when the model's policy is an FP8 float16 policy
+(`"fp8_hybrid_float16"`, `"fp8_e4m3_float16"`), as Keras does for
+`"mixed_float16"`.
+"""
+
+import keras
+from keras import ops
+from keras.saving import register_keras_serializable
+from keras.src.trainers import trainer as keras_trainer
+
+from keras_fp8 import policy as policy_lib
+
+
+def _is_pending_grad_amax(variable):
+    return getattr(variable, "_keras_fp8_pending_grad_amax", False)
+
+
+def _retag(pending, old_scale, new_scale):
+    """`[amax, token, _]` -> `[amax * new/old, token, new]`."""
+    ratio = ops.divide(new_scale, old_scale)
+    return ops.stack(
+        [ops.multiply(pending[0], ratio), pending[1], ops.cast(new_scale, "float32")]
+    )
+
+
+@register_keras_serializable(package="keras_fp8")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Keras's dynamic `LossScaleOptimizer`, aware of FP8 gradient state.
+
+    Args:
+        inner_optimizer: The `keras.optimizers.Optimizer` to wrap.
+        initial_scale: Initial loss scale (a power of two keeps every rescale
+            exact).
+        dynamic_growth_steps: Finite steps before the scale doubles.
+        **kwargs: As for `keras.optimizers.LossScaleOptimizer`.
+
+    Example:
+
+    ```python
+    keras.mixed_precision.set_global_policy("fp8_hybrid_float16")
+    model.compile(optimizer="adam", loss="mse")   # wrapped automatically
+    isinstance(model.optimizer, keras_fp8.optimizers.LossScaleOptimizer)
+    ```
+    """
+
+    def _scale_index(self):
+        for i, v in enumerate(self.variables):
+            if v is self.dynamic_scale:
+                return i
+        raise RuntimeError("LossScaleOptimizer has no dynamic_scale variable.")
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        index = self._scale_index()
+        old_scale = optimizer_variables[index]
+        new_trainable, new_optimizer = super().stateless_apply(
+            optimizer_variables, grads, trainable_variables
+        )
+        new_scale = new_optimizer[index]
+        new_trainable = list(new_trainable)
+        for i, variable in enumerate(self._trainable_variables):
+            if _is_pending_grad_amax(variable):
+                new_trainable[i] = _retag(new_trainable[i], old_scale, new_scale)
+        return new_trainable, new_optimizer
+
+    def apply(self, grads, trainable_variables=None):
+        old_scale = (
+            ops.copy(self.dynamic_scale.value)
+            if self.built
+            else ops.convert_to_tensor(self.initial_scale, "float32")
+        )
+        super().apply(grads, trainable_variables)
+        new_scale = self.dynamic_scale.value
+        variables = (
+            trainable_variables
+            if trainable_variables is not None
+            else self._trainable_variables
+        )
+        for variable in variables:
+            if _is_pending_grad_amax(variable):
+                variable.assign(_retag(variable.value, old_scale, new_scale))
+
+
+_keras_compile = keras_trainer.Trainer.compile
+
+
+def _compile_with_fp8_loss_scaling(self, optimizer="rmsprop", *args, **kwargs):
+    """`Trainer.compile`, wrapping the optimizer for FP8 float16 policies."""
+    policy = self.dtype_policy
+    auto_scale_loss = kwargs.get("auto_scale_loss", True)
+    if (
+        auto_scale_loss
+        and isinstance(policy, policy_lib.FP8DTypePolicy)
+        and policy.compute_dtype == "float16"
+    ):
+        optimizer = keras.optimizers.get(optimizer)
+        if optimizer is not None and not isinstance(
+            optimizer, keras.optimizers.LossScaleOptimizer
+        ):
+            optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+    return _keras_compile(self, optimizer, *args, **kwargs)
+
+
+def register():
+    """Installs the compile hook (idempotent; done at `import keras_fp8`)."""
+    keras_trainer.Trainer.compile = _compile_with_fp8_loss_scaling
