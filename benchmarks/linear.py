@@ -50,6 +50,20 @@ def bench(fn, iters=30, warmup=5):
     return statistics.median(times)
 
 
+def bench_graph(step, iters=20):
+    """GPU time of one training step, without host overhead: CUDA-graph replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return bench(g.replay, iters, warmup=3)
+
+
 def fwd_bwd(model, x, gy):
     def step():
         x.grad = None
@@ -125,11 +139,23 @@ def run_shape(M, K, N, iters, use_torchao):
     ours_fp8 = OursLinear(lin, min_gemm_size=0)
     t_ours_fp8 = bench(fwd_bwd(ours_fp8, x, gy), iters)
     rows.append(("torch_ops.fp8_linear, FP8 GEMMs forced", t_ours_fp8))
+    t_ours_bf16 = bench(fwd_bwd(OursLinear(lin, min_gemm_size=1 << 62), x, gy), iters)
+    rows.append(("torch_ops.fp8_linear, bf16 GEMMs forced (FP8 state kept)", t_ours_bf16))
     ours = OursLinear(lin)
     t_ours = bench(fwd_bwd(ours, x, gy), iters)
     small = M * N * K < torch_ops.DEFAULT_MIN_GEMM_SIZE
     rows.append((f"torch_ops.fp8_linear, default ({'bf16 GEMMs' if small else 'FP8 GEMMs'})", t_ours))
-    return rows, dict(bf16=t_bf16, torchao=t_ao, floor=t_floor, ours_fp8=t_ours_fp8, ours=t_ours)
+    # Same steps replayed from CUDA graphs: GPU time without host overhead.
+    t_bf16_g = t_ours_g = None
+    try:
+        t_bf16_g = bench_graph(fwd_bwd(lin, x, gy), iters)
+        rows.append(("bf16 nn.Linear, CUDA graph", t_bf16_g))
+        t_ours_g = bench_graph(fwd_bwd(OursLinear(lin), x, gy), iters)
+        rows.append(("torch_ops.fp8_linear default, CUDA graph", t_ours_g))
+    except Exception as e:  # noqa: BLE001
+        rows.append((f"CUDA graph: {type(e).__name__}: {str(e)[:60]}", None))
+    return rows, dict(bf16=t_bf16, torchao=t_ao, floor=t_floor, ours_fp8=t_ours_fp8, ours=t_ours,
+                      bf16_g=t_bf16_g, ours_g=t_ours_g)
 
 
 def main(argv=None):
@@ -159,13 +185,16 @@ def main(argv=None):
         summary.append(((M, K, N), t))
         sys.stdout.flush()
     print("\n### summary (ms; ratios within this run)\n")
-    print("| M x K x N | bf16 | torchao | floor | ours FP8 | ours default | ours/bf16 | ours vs torchao | ours/floor |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| M x K x N | bf16 | torchao | floor | ours FP8 | ours default | ours/bf16 | ours vs torchao | ours/floor "
+          "| graph: bf16 | graph: ours | graph: ours/bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (M, K, N), t in summary:
         ao = f"{t['torchao']:.3f}" if t["torchao"] else "-"
         vs_ao = f"{t['torchao'] / t['ours']:.2f}x" if t["torchao"] else "-"
         print(f"| {M}x{K}x{N} | {t['bf16']:.3f} | {ao} | {t['floor']:.3f} | {t['ours_fp8']:.3f} | {t['ours']:.3f} "
-              f"| {t['bf16'] / t['ours']:.2f}x | {vs_ao} | {t['ours_fp8'] / t['floor']:.2f} |")
+              f"| {t['bf16'] / t['ours']:.2f}x | {vs_ao} | {t['ours_fp8'] / t['floor']:.2f} "
+              + (f"| {t['bf16_g']:.3f} | {t['ours_g']:.3f} | {t['bf16_g'] / t['ours_g']:.2f}x |" if t["ours_g"]
+                 else "| - | - | - |"))
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
+#include <array>
+#include <cstdint>
+#include <functional>
 #include <mutex>
-#include <sstream>
-#include <string>
 #include <unordered_map>
 
 #include "common.h"
@@ -66,8 +67,19 @@ struct Plan {
   bool bias_fused;
 };
 
+// Plan cache key: plain integers (no iostreams in this library: an
+// ostringstream here crashed inside libstdc++ on the H200 image).
+using Key = std::array<int64_t, 12>;
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    size_t h = 1469598103934665603ull;
+    for (int64_t v : k) h = (h ^ std::hash<int64_t>()(v)) * 1099511628211ull;
+    return h;
+  }
+};
+
 std::mutex g_mu;
-std::unordered_map<std::string, Plan> g_plans;
+std::unordered_map<Key, Plan, KeyHash> g_plans;
 std::unordered_map<int, cublasLtHandle_t> g_handles;
 
 // Our own cuBLASLt handle per device (created with the cuBLASLt this
@@ -180,16 +192,15 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
   const bool want_bias_fused = bias.has_value() && od != at::kFloat;
   const cudaDataType_t tbias = od == at::kHalf ? CUDA_R_16F : CUDA_R_16BF;
 
-  std::ostringstream key;
-  key << a.get_device() << ':' << M << ',' << N << ',' << Kp << ',' << lda << ',' << ldb << ',' << ldd << ','
-      << (int)ta << ',' << (int)tb << ',' << (int)td << ',' << want_bias_fused << ',' << fast_accum;
+  const Key key = {(int64_t)a.get_device(), M, N, Kp, lda, ldb, ldd, (int64_t)ta, (int64_t)tb, (int64_t)td,
+                   (int64_t)want_bias_fused, (int64_t)fast_accum};
   cublasLtHandle_t handle = lt_handle(a.get_device());
 
   Plan plan;
   bool have = false;
   {
     std::lock_guard<std::mutex> lk(g_mu);
-    auto it = g_plans.find(key.str());
+    auto it = g_plans.find(key);
     if (it != g_plans.end()) {
       plan = it->second;
       have = true;
@@ -217,7 +228,7 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
       return fallback_gemm(a_in, b_in, scale_a, scale_b, bias, od);
     }
     std::lock_guard<std::mutex> lk(g_mu);
-    g_plans[key.str()] = plan;
+    g_plans[key] = plan;
   }
 
   Descs ds;

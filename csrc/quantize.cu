@@ -112,6 +112,14 @@ struct Finalize {
   float fmax;
   float mdiv;              // 2**margin as float32
   int skip_zero;
+  // Amax-only calls (no fp8 output) skip the pre-pass: the last block derives
+  // scale_used itself. 0: scale_used is given; 1: delayed seed rule (from
+  // amax iff max(history) == 0, else *prev_scale); 2: current (from amax).
+  int seed_mode;
+  const float* prev_scale;   // may be null (current scaling: 1.0)
+  const float* seed_history;  // mode 1: the history as it was before this call
+  long long seed_H;
+  float* scale_used_out;
 };
 
 __device__ __forceinline__ float compute_scale(float window, float prev, float fmax, float mdiv) {
@@ -191,6 +199,19 @@ __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem
   __threadfence();
   float amax = __uint_as_float(atomicAdd(&f.ws[0], 0u));
   if (threadIdx.x == 0 && f.amax_out) *f.amax_out = amax;
+  if (f.seed_mode) {
+    bool from_amax = true;
+    if (f.seed_mode == 1) {
+      unsigned m = 0u;
+      for (long long i = threadIdx.x; i < f.seed_H; i += blockDim.x) m = max(m, abs_bits(f.seed_history[i]) ? 1u : 0u);
+      from_amax = block_reduce_max(m, smem) == 0u;
+    }
+    if (threadIdx.x == 0) {
+      const float prev = f.prev_scale ? *f.prev_scale : 1.0f;
+      *f.scale_used_out = from_amax ? compute_scale(amax, prev, f.fmax, f.mdiv) : prev;
+    }
+    __syncthreads();
+  }
   if (f.history) record_in_block(amax, f, smem);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -459,7 +480,8 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   const long long n = R * C;
   const bool vec = (C % 8 == 0) && ((reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0);
 
-  if (scale_mode != 0) {
+  const bool fused_seed = scale_mode != 0 && !q.defined() && !qt.defined();
+  if (scale_mode != 0 && !fused_seed) {
     long long blocks = (n / 8 + kThreads - 1) / kThreads;
     blocks = std::max<long long>(1, std::min<long long>(blocks, 4LL * num_sms()));
     const float* prev = scale_in.defined() ? scale_in.data_ptr<float>() : nullptr;
@@ -484,6 +506,11 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   f.fmax = fmax;
   f.mdiv = mdiv;
   f.skip_zero = skip_zero ? 1 : 0;
+  f.seed_mode = fused_seed ? scale_mode : 0;
+  f.prev_scale = (fused_seed && scale_in.defined()) ? scale_in.data_ptr<float>() : nullptr;
+  f.seed_history = (fused_seed && scale_mode == 1) ? hist_for_empty.data_ptr<float>() : nullptr;
+  f.seed_H = (fused_seed && scale_mode == 1) ? hist_for_empty.numel() : 0;
+  f.scale_used_out = fused_seed ? scale_used.data_ptr<float>() : nullptr;
 
   uint8_t* qp = q.defined() ? reinterpret_cast<uint8_t*>(q.data_ptr()) : nullptr;
   uint8_t* qtp = qt.defined() ? reinterpret_cast<uint8_t*>(qt.data_ptr()) : nullptr;
@@ -531,6 +558,11 @@ void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, cons
   f.fmax = fmax_of(fmt);
   f.mdiv = (float)mdiv_d;
   f.skip_zero = skip_zero ? 1 : 0;
+  f.seed_mode = 0;
+  f.prev_scale = nullptr;
+  f.seed_history = nullptr;
+  f.seed_H = 0;
+  f.scale_used_out = nullptr;
   record_amax_kernel<<<1, 1024, 0, stream>>>(amax.data_ptr<float>(), f);
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());
 }

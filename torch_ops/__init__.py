@@ -100,7 +100,7 @@ def quantize(x, scale, fp8_dtype, *, transpose: bool = False):
     q has x's shape; q_t is (C, R) for x viewed as (R, C), C = x.shape[-1]."""
     x2 = _x2d(x)
     s = _scalar(scale, "scale", x2)
-    q, qt, amax = torch.ops.torch_ops.quantize(x2, s.reshape(()), _fp8(fp8_dtype), bool(transpose), False, True)
+    q, qt, amax = _ops.quantize(x2, s.reshape(()), _fp8(fp8_dtype), bool(transpose), False, True)
     q, qt = _shape_out(x, q, qt, transpose)
     return q, qt, amax
 
@@ -112,7 +112,7 @@ def quantize_delayed(x, amax_history, scale, fp8_dtype, *, margin: float = 0.0, 
     x2 = _x2d(x)
     h = _history(amax_history, x2)
     s = _scalar(scale, "scale", x2)
-    q, qt, su, amax = torch.ops.torch_ops.quantize_delayed(
+    q, qt, su, amax = _ops.quantize_delayed(
         x2, h, s, _fp8(fp8_dtype), float(margin), _algo(amax_compute_algo), bool(transpose), bool(record), False, True
     )
     q, qt = _shape_out(x, q, qt, transpose)
@@ -123,7 +123,7 @@ def quantize_current(x, fp8_dtype, *, margin: float = 0.0, prev_scale=None, tran
     """Current scaling: scale_used = compute_scale(amax(x), prev_scale or 1). -> (q, q_t or None, scale_used, amax)."""
     x2 = _x2d(x)
     prev = None if prev_scale is None else _scalar(prev_scale, "prev_scale", x2)
-    q, qt, su, amax = torch.ops.torch_ops.quantize_current(
+    q, qt, su, amax = _ops.quantize_current(
         x2, prev, _fp8(fp8_dtype), float(margin), bool(transpose), False, True
     )
     q, qt = _shape_out(x, q, qt, transpose)
@@ -143,7 +143,7 @@ def record_amax(amax_history, scale, amax, fp8_dtype, *, margin: float = 0.0, am
         raise ValueError(f"amax: expected a 1-element tensor, got {type(amax).__name__}")
     if amax.device != h.device:
         raise ValueError(f"amax: expected device {h.device}, got {amax.device}")
-    torch.ops.torch_ops.record_amax(h, scale, amax.reshape(()).to(torch.float32), _fp8(fp8_dtype), float(margin),
+    _ops.record_amax(h, scale, amax.reshape(()).to(torch.float32), _fp8(fp8_dtype), float(margin),
                                     _algo(amax_compute_algo), bool(skip_zero))
 
 
@@ -165,5 +165,5 @@ def fp8_gemm(a, b, scale_a, scale_b, *, bias=None, out_dtype=torch.bfloat16, use
     _scalar(scale_b, "scale_b", a)
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[0] or bias.device != a.device):
         raise ValueError(f"bias: expected shape ({b.shape[0]},) on {a.device}, got {tuple(bias.shape)}")
-    return torch.ops.torch_ops.gemm(a, b, scale_a.reshape(()), scale_b.reshape(()), bias, out_dtype,
+    return _ops.gemm(a, b, scale_a.reshape(()), scale_b.reshape(()), bias, out_dtype,
                                     bool(use_fast_accum))

@@ -14,7 +14,9 @@ is an empty tensor.
 
 from __future__ import annotations
 
+import functools
 import os
+import struct
 from typing import Optional
 
 import torch
@@ -38,9 +40,10 @@ def _use_kernel(t: torch.Tensor) -> bool:
     return t.is_cuda and _build.is_available()
 
 
+@functools.lru_cache(maxsize=64)
 def _mdiv(margin: float) -> float:
     # 2**margin rounded to float32 exactly as the emulation's torch.tensor(2.0**margin).
-    return float(torch.tensor(2.0 ** float(margin), dtype=torch.float32).item())
+    return struct.unpack("f", struct.pack("f", 2.0 ** float(margin)))[0]
 
 
 def _empty_fp8(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
@@ -69,8 +72,7 @@ def _fake_outputs(x, dt, transpose, pad, write_q):
 
 
 # --------------------------------------------------------------------------- quantize
-@torch.library.custom_op("torch_ops::quantize", mutates_args=())
-def quantize_op(
+def _quantize_impl(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool, pad: bool, write_q: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_kernel(x):
@@ -79,6 +81,13 @@ def quantize_op(
     return q, qt, emu.amax(x)
 
 
+
+@torch.library.custom_op("torch_ops::quantize", mutates_args=())
+def quantize_op(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool, pad: bool, write_q: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_impl(x, scale, fp8_dtype, transpose, pad, write_q)
+
 @quantize_op.register_fake
 def _(x, scale, fp8_dtype, transpose, pad, write_q):
     q, qt = _fake_outputs(x, fp8_dtype, transpose, pad, write_q)
@@ -86,8 +95,7 @@ def _(x, scale, fp8_dtype, transpose, pad, write_q):
 
 
 # --------------------------------------------------------------------------- delayed
-@torch.library.custom_op("torch_ops::quantize_delayed", mutates_args=("amax_history", "scale"))
-def quantize_delayed_op(
+def _quantize_delayed_impl(
     x: torch.Tensor,
     amax_history: torch.Tensor,
     scale: torch.Tensor,
@@ -123,6 +131,22 @@ def quantize_delayed_op(
     return q, qt, scale_used, a
 
 
+
+@torch.library.custom_op("torch_ops::quantize_delayed", mutates_args=("amax_history", "scale"))
+def quantize_delayed_op(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: float,
+    amax_compute_algo: str,
+    transpose: bool,
+    record: bool,
+    pad: bool,
+    write_q: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_delayed_impl(x, amax_history, scale, fp8_dtype, margin, amax_compute_algo, transpose, record, pad, write_q)
+
 @quantize_delayed_op.register_fake
 def _(x, amax_history, scale, fp8_dtype, margin, amax_compute_algo, transpose, record, pad, write_q):
     q, qt = _fake_outputs(x, fp8_dtype, transpose, pad, write_q)
@@ -130,8 +154,7 @@ def _(x, amax_history, scale, fp8_dtype, margin, amax_compute_algo, transpose, r
 
 
 # --------------------------------------------------------------------------- current
-@torch.library.custom_op("torch_ops::quantize_current", mutates_args=())
-def quantize_current_op(
+def _quantize_current_impl(
     x: torch.Tensor,
     prev_scale: Optional[torch.Tensor],
     fp8_dtype: torch.dtype,
@@ -151,6 +174,19 @@ def quantize_current_op(
     return q, qt, scale_used, a
 
 
+
+@torch.library.custom_op("torch_ops::quantize_current", mutates_args=())
+def quantize_current_op(
+    x: torch.Tensor,
+    prev_scale: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    margin: float,
+    transpose: bool,
+    pad: bool,
+    write_q: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_current_impl(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q)
+
 @quantize_current_op.register_fake
 def _(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q):
     q, qt = _fake_outputs(x, fp8_dtype, transpose, pad, write_q)
@@ -158,8 +194,7 @@ def _(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q):
 
 
 # --------------------------------------------------------------------------- record
-@torch.library.custom_op("torch_ops::record_amax", mutates_args=("amax_history", "scale"))
-def record_amax_op(
+def _record_amax_impl(
     amax_history: torch.Tensor,
     scale: torch.Tensor,
     amax: torch.Tensor,
@@ -179,14 +214,26 @@ def record_amax_op(
     )
 
 
+
+@torch.library.custom_op("torch_ops::record_amax", mutates_args=("amax_history", "scale"))
+def record_amax_op(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: float,
+    amax_compute_algo: str,
+    skip_zero: bool,
+) -> None:
+    return _record_amax_impl(amax_history, scale, amax, fp8_dtype, margin, amax_compute_algo, skip_zero)
+
 @record_amax_op.register_fake
 def _(amax_history, scale, amax, fp8_dtype, margin, amax_compute_algo, skip_zero):
     return None
 
 
 # --------------------------------------------------------------------------- gemm
-@torch.library.custom_op("torch_ops::gemm", mutates_args=())
-def gemm_op(
+def _gemm_impl(
     a: torch.Tensor,
     b: torch.Tensor,
     scale_a: torch.Tensor,
@@ -227,6 +274,62 @@ def _scaled_mm_gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
     return out
 
 
+
+@torch.library.custom_op("torch_ops::gemm", mutates_args=())
+def gemm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    return _gemm_impl(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+
 @gemm_op.register_fake
 def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------- eager fast path
+# In eager mode the custom-op dispatcher (and its dynamo-disable wrapper) cost
+# ~100 us of host time per call on the H200 machine, more than a small GEMM.
+# On plain tensors outside torch.compile we call the implementations directly;
+# under torch.compile (or on fake/functional tensors while a graph is traced)
+# the registered ops are used, so graphs still see them.
+def _plain(*ts) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in ts)
+
+
+def quantize(x, scale, fp8_dtype, transpose, pad, write_q):
+    if _plain(x, scale):
+        return _quantize_impl(x, scale, fp8_dtype, transpose, pad, write_q)
+    return torch.ops.torch_ops.quantize(x, scale, fp8_dtype, transpose, pad, write_q)
+
+
+def quantize_delayed(x, amax_history, scale, fp8_dtype, margin, algo, transpose, record, pad, write_q):
+    if _plain(x, amax_history, scale):
+        return _quantize_delayed_impl(x, amax_history, scale, fp8_dtype, margin, algo, transpose, record, pad, write_q)
+    return torch.ops.torch_ops.quantize_delayed(x, amax_history, scale, fp8_dtype, margin, algo, transpose, record,
+                                                pad, write_q)
+
+
+def quantize_current(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q):
+    if _plain(x, prev_scale):
+        return _quantize_current_impl(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q)
+    return torch.ops.torch_ops.quantize_current(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q)
+
+
+def record_amax(amax_history, scale, amax, fp8_dtype, margin, algo, skip_zero):
+    if _plain(amax_history, scale, amax):
+        return _record_amax_impl(amax_history, scale, amax, fp8_dtype, margin, algo, skip_zero)
+    return torch.ops.torch_ops.record_amax(amax_history, scale, amax, fp8_dtype, margin, algo, skip_zero)
+
+
+def gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
+    if _plain(a, b, scale_a, scale_b, bias):
+        return _gemm_impl(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    return torch.ops.torch_ops.gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)

@@ -21,6 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import _ops
 from . import emulation as emu
 
 E4M3 = torch.float8_e4m3fn
@@ -73,15 +74,15 @@ class _KernelOps:
 
     @staticmethod
     def delayed(x, hist, scale, dt, margin, algo, transpose, record, write_q):
-        return torch.ops.torch_ops.quantize_delayed(x, hist, scale, dt, margin, algo, transpose, record, True, write_q)
+        return _ops.quantize_delayed(x, hist, scale, dt, margin, algo, transpose, record, True, write_q)
 
     @staticmethod
     def current(x, prev, dt, margin, transpose, write_q):
-        return torch.ops.torch_ops.quantize_current(x, prev, dt, margin, transpose, True, write_q)
+        return _ops.quantize_current(x, prev, dt, margin, transpose, True, write_q)
 
     @staticmethod
     def gemm(a, b, sa, sb, bias, out_dtype, fast):
-        return torch.ops.torch_ops.gemm(a, b, sa, sb, bias, out_dtype, fast)
+        return _ops.gemm(a, b, sa, sb, bias, out_dtype, fast)
 
 
 class _EmuOps:
@@ -306,8 +307,6 @@ def fp8_linear(
         FP8 state is still updated); default DEFAULT_MIN_GEMM_SIZE
         (env TORCH_OPS_FP8_MIN_GEMM_SIZE).
     """
-    from . import _ops  # noqa: F401  (registers torch.ops.torch_ops.*)
-
     return _fp8_linear(_KernelOps, _KernelFn, x, weight, bias, state, fp8_format, scaling, margin,
                        amax_compute_algo, weight_layout, training, grad_amax_sink, min_gemm_size)
 
