@@ -136,9 +136,19 @@ def run_shape(M, K, N, iters, use_torchao):
     t_floor = bench(scaled_mm_floor(M, K, N), iters)
     rows.append(("floor: 3x torch._scaled_mm", t_floor))
 
+    from torch_ops import _ops
+
+    backend = _ops.GEMM_BACKEND
     ours_fp8 = OursLinear(lin, min_gemm_size=0)
     t_ours_fp8 = bench(fwd_bwd(ours_fp8, x, gy), iters)
-    rows.append(("torch_ops.fp8_linear, FP8 GEMMs forced", t_ours_fp8))
+    rows.append((f"torch_ops.fp8_linear, FP8 GEMMs forced ({backend})", t_ours_fp8))
+    if backend == "cublaslt":
+        _ops.GEMM_BACKEND = "scaled_mm"  # the same op with torch._scaled_mm as the GEMM, for comparison
+        try:
+            t_sm = bench(fwd_bwd(OursLinear(lin, min_gemm_size=0), x, gy), iters)
+            rows.append(("torch_ops.fp8_linear, FP8 GEMMs forced (torch._scaled_mm)", t_sm))
+        finally:
+            _ops.GEMM_BACKEND = backend
     t_ours_bf16 = bench(fwd_bwd(OursLinear(lin, min_gemm_size=1 << 62), x, gy), iters)
     rows.append(("torch_ops.fp8_linear, bf16 GEMMs forced (FP8 state kept)", t_ours_bf16))
     ours = OursLinear(lin)

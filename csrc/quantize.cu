@@ -16,16 +16,20 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "common.h"
 
 namespace torch_ops {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kTileR = 64;    // input rows per tile
+// Input rows per tile: 64 (default; 4 blocks/SM, no spills) or 128 (3
+// blocks/SM, twice the loads in flight per thread, 128-byte rows of q_t, a
+// few spilled registers); TORCH_OPS_QTILE_R=128 picks the latter.
 constexpr int kTileC = 128;   // input cols per tile
 constexpr int kSmemStride = kTileC + 8;  // bytes; keeps 8-byte alignment of rows
-constexpr int kTileBlocksPerSM = 4;     // persistent grid: blocks per SM (58-61 registers: 4 resident)
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
@@ -323,22 +327,22 @@ __global__ void __launch_bounds__(kThreads) quant_flat_kernel(
 // Tile kernel: q (R, ldq >= C) and/or qt (C, ldqt >= R), padding columns
 // written as zero bytes. Tiles of 64 x 128 input elements; the transpose goes
 // through shared memory.
-template <typename T, bool kE5M2>
-__global__ void __launch_bounds__(kThreads, kTileBlocksPerSM) quant_tile_kernel(
+template <typename T, bool kE5M2, int TR>
+__global__ void __launch_bounds__(kThreads, TR == 64 ? 4 : 3) quant_tile_kernel(
     const T* __restrict__ x, long long R, long long C, bool vec, uint8_t* __restrict__ q, long long ldq,
     uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
   __shared__ unsigned smem[32];
-  __shared__ __align__(16) uint8_t tile[kTileR * kSmemStride];
+  __shared__ __align__(16) uint8_t tile[TR * kSmemStride];
   const float s = *f.scale_used;
   unsigned local = 0u;
   const long long ntx = (ext_c + kTileC - 1) / kTileC;
-  const long long ntiles = ntx * ((ext_r + kTileR - 1) / kTileR);
+  const long long ntiles = ntx * ((ext_r + TR - 1) / TR);
   // Persistent blocks: each walks several tiles, so the amax atomics and the
   // last-block handshake happen once per block, not once per tile.
   for (long long tile_id = blockIdx.x; tile_id < ntiles; tile_id += gridDim.x) {
-  const long long r0 = (tile_id / ntx) * kTileR;
+  const long long r0 = (tile_id / ntx) * TR;
   const long long c0 = (tile_id % ntx) * kTileC;
-  constexpr int kIters = (kTileR * kTileC / 8) / kThreads;
+  constexpr int kIters = (TR * kTileC / 8) / kThreads;
 
   // All loads of the tile first (several 16-byte loads in flight per thread),
   // then convert, quantize and store.
@@ -396,9 +400,9 @@ __global__ void __launch_bounds__(kThreads, kTileBlocksPerSM) quant_tile_kernel(
 
   if (qt) {
     __syncthreads();
-    // qt tile: kTileC output rows (input cols), kTileR bytes each = 4 chunks of 16.
+    // qt tile: kTileC output rows (input cols), TR bytes each = 4 chunks of 16.
 #pragma unroll
-    for (int it = 0; it < (kTileC * (kTileR / 16)) / kThreads; ++it) {
+    for (int it = 0; it < (kTileC * (TR / 16)) / kThreads; ++it) {
       const int slot = threadIdx.x + it * kThreads;
       const int k = slot / kTileC;  // chunk index: constant within a warp (no bank conflicts)
       const int oc = slot % kTileC;
@@ -440,6 +444,14 @@ int num_sms() {
     TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
   }
   return n;
+}
+
+int tile_rows() {
+  static const int tr = [] {
+    const char* e = std::getenv("TORCH_OPS_QTILE_R");
+    return (e && std::string(e) == "128") ? 128 : 64;
+  }();
+  return tr;
 }
 
 float fmax_of(int fmt) { return fmt == 1 ? 57344.0f : 448.0f; }
@@ -528,14 +540,21 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       // Cover the padded extents too, so that padding bytes get written.
       const long long ext_c = std::max<long long>(C, qp ? ldq : C);
       const long long ext_r = std::max<long long>(R, qtp ? ldqt : R);
-      const long long ntiles = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + kTileR - 1) / kTileR);
-      const long long blocks = std::max<long long>(1, std::min<long long>(ntiles, (long long)kTileBlocksPerSM * num_sms()));
-      if (fmt == 1)
-        quant_tile_kernel<T, true><<<(unsigned)blocks, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r,
-                                                                             ext_c, f);
-      else
-        quant_tile_kernel<T, false><<<(unsigned)blocks, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r,
-                                                                              ext_c, f);
+      const int tr = tile_rows();
+      const long long ntiles = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + tr - 1) / tr);
+      const long long blocks = std::max<long long>(1, std::min<long long>(ntiles, (tr == 64 ? 4LL : 3LL) * num_sms()));
+      const unsigned nb = (unsigned)blocks;
+      if (tr == 64) {
+        if (fmt == 1)
+          quant_tile_kernel<T, true, 64><<<nb, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
+        else
+          quant_tile_kernel<T, false, 64><<<nb, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
+      } else {
+        if (fmt == 1)
+          quant_tile_kernel<T, true, 128><<<nb, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
+        else
+          quant_tile_kernel<T, false, 128><<<nb, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
+      }
     }
   });
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());

@@ -1,0 +1,207 @@
+"""Model-level benchmark: a decoder-only transformer trained with model.fit.
+
+    KERAS_BACKEND=torch python benchmarks/model.py --stack keras --policy fp8_hybrid
+    KERAS_BACKEND=jax   python benchmarks/model.py --stack keras --policy mixed_bfloat16
+    python benchmarks/model.py --stack torch [--torchao]
+
+Architecture (ANCHORS.md): hidden 4096, SwiGLU MLP 14336, 32 heads, 4 blocks,
+sequence 2048, batch 8 (16384 tokens), vocabulary 32000, causal attention,
+RMS norms, output layer in the compute dtype (not FP8), AdamW with float32
+master weights. `--stack keras` builds it from Keras layers (FP8Dense for the
+projections; under mixed_bfloat16 they are plain Dense) and trains with
+model.fit; `--stack torch` is the same network in plain PyTorch (bf16
+autocast, fused AdamW, optionally torchao float8 tensorwise + torch.compile).
+Prints ms/step (median over the timed steps) and the loss of every step, as
+one `RESULT` line (JSON) for the side-by-side table.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+
+def data(args):
+    rng = np.random.default_rng(0)
+    n = args.batch * (args.warmup + args.steps)
+    tokens = rng.integers(0, args.vocab, (n, args.seq + 1)).astype("int32")
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def keras_model(args):
+    import keras
+    from keras import ops
+
+    import keras_fp8
+    from keras_fp8.layers import FP8Dense
+
+    class CausalSelfAttention(keras.layers.Layer):
+        def __init__(self, hidden, heads, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden, self.heads = hidden, heads
+            self.qkv = FP8Dense(3 * hidden, use_bias=False)
+            self.out = FP8Dense(hidden, use_bias=False)
+
+        def call(self, x):
+            b, s = ops.shape(x)[0], ops.shape(x)[1]
+            qkv = ops.reshape(self.qkv(x), (b, s, 3, self.heads, self.hidden // self.heads))
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            a = ops.dot_product_attention(q, k, v, is_causal=True)
+            return self.out(ops.reshape(a, (b, s, self.hidden)))
+
+    class SwiGLU(keras.layers.Layer):
+        def __init__(self, hidden, mlp, **kwargs):
+            super().__init__(**kwargs)
+            self.gate = FP8Dense(mlp, use_bias=False)
+            self.up = FP8Dense(mlp, use_bias=False)
+            self.down = FP8Dense(hidden, use_bias=False)
+
+        def call(self, x):
+            return self.down(ops.silu(self.gate(x)) * self.up(x))
+
+    keras.mixed_precision.set_global_policy(args.policy)
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((args.seq,), dtype="int32")
+    h = keras.layers.Embedding(args.vocab, args.hidden)(tokens)
+    for _ in range(args.blocks):
+        a = keras.layers.LayerNormalization(rms_scaling=True)(h)
+        h = h + CausalSelfAttention(args.hidden, args.heads)(a)
+        m = keras.layers.LayerNormalization(rms_scaling=True)(h)
+        h = h + SwiGLU(args.hidden, args.mlp)(m)
+    h = keras.layers.LayerNormalization(rms_scaling=True)(h)
+    logits = keras.layers.Dense(args.vocab, use_bias=False, dtype="mixed_bfloat16")(h)
+    model = keras.Model(tokens, logits)
+    model.compile(
+        optimizer=keras.optimizers.AdamW(1e-4),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=args.jit,
+    )
+    return model
+
+
+def run_keras(args):
+    import keras
+
+    model = keras_model(args)
+    x, y = data(args)
+    stamps, losses = [], []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            losses.append(float(logs["loss"]))  # forces the step to finish
+            stamps.append(time.perf_counter())
+
+    model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[Timer()])
+    return stamps, losses
+
+
+def run_torch(args):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = nn.RMSNorm(args.hidden), nn.RMSNorm(args.hidden)
+            self.qkv = nn.Linear(args.hidden, 3 * args.hidden, bias=False)
+            self.out = nn.Linear(args.hidden, args.hidden, bias=False)
+            self.gate = nn.Linear(args.hidden, args.mlp, bias=False)
+            self.up = nn.Linear(args.hidden, args.mlp, bias=False)
+            self.down = nn.Linear(args.mlp, args.hidden, bias=False)
+
+        def forward(self, h):
+            b, s, _ = h.shape
+            q, k, v = self.qkv(self.n1(h)).view(b, s, 3, args.heads, -1).unbind(2)
+            a = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            ).transpose(1, 2).reshape(b, s, -1)
+            h = h + self.out(a)
+            m = self.n2(h)
+            return h + self.down(F.silu(self.gate(m)) * self.up(m))
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(args.vocab, args.hidden)
+            self.blocks = nn.ModuleList(Block() for _ in range(args.blocks))
+            self.norm = nn.RMSNorm(args.hidden)
+            self.lm_head = nn.Linear(args.hidden, args.vocab, bias=False)
+
+        def forward(self, t):
+            h = self.embed(t)
+            for block in self.blocks:
+                h = block(h)
+            return self.lm_head(self.norm(h))
+
+    model = Decoder().cuda()
+    if args.torchao:
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(
+            model, module_filter_fn=lambda mod, fqn: fqn != "lm_head"
+        )
+    if args.torchao or args.jit:
+        model = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x, y = data(args)
+    x, y = torch.tensor(x).long().cuda(), torch.tensor(y).long().cuda()
+    stamps, losses = [], []
+    for i in range(args.warmup + args.steps):
+        xb, yb = x[i * args.batch:(i + 1) * args.batch], y[i * args.batch:(i + 1) * args.batch]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(xb)
+        loss = F.cross_entropy(logits.float().view(-1, args.vocab), yb.view(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        stamps.append(time.perf_counter())
+    return stamps, losses
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stack", choices=["keras", "torch"], default="keras")
+    parser.add_argument("--policy", default="fp8_hybrid")
+    parser.add_argument("--torchao", action="store_true")
+    parser.add_argument("--jit", action="store_true")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--mlp", type=int, default=14336)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    stamps, losses = (run_keras if args.stack == "keras" else run_torch)(args)
+    steps = np.diff(stamps[args.warmup - 1:]) * 1e3
+    if args.stack == "keras":
+        import keras
+
+        label = f"keras-{keras.backend.backend()} {args.policy}"
+    else:
+        label = "torch " + ("torchao-float8 compiled" if args.torchao else "bf16" + (" compiled" if args.jit else " eager"))
+    ms = statistics.median(steps)
+    result = {
+        "stack": label, "ms_per_step": ms,
+        "tok_per_s": args.batch * args.seq / ms * 1e3,
+        "losses": losses, "wall_s": time.perf_counter() - start,
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
