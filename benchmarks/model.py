@@ -70,11 +70,11 @@ def keras_model(args):
     tokens = keras.Input((args.seq,), dtype="int32")
     h = keras.layers.Embedding(args.vocab, args.hidden)(tokens)
     for _ in range(args.blocks):
-        a = keras.layers.LayerNormalization(rms_scaling=True)(h)
+        a = keras.layers.RMSNormalization()(h)
         h = h + CausalSelfAttention(args.hidden, args.heads)(a)
-        m = keras.layers.LayerNormalization(rms_scaling=True)(h)
+        m = keras.layers.RMSNormalization()(h)
         h = h + SwiGLU(args.hidden, args.mlp)(m)
-    h = keras.layers.LayerNormalization(rms_scaling=True)(h)
+    h = keras.layers.RMSNormalization()(h)
     logits = keras.layers.Dense(args.vocab, use_bias=False, dtype="mixed_bfloat16")(h)
     model = keras.Model(tokens, logits)
     model.compile(

@@ -1,0 +1,100 @@
+"""JAX on an FP8 GPU: every FP8 layer GEMM must run in FP8 (checked in HLO).
+
+Skips unless the Keras backend is JAX and the default device is a GPU with
+FP8 tensor cores (compute capability >= 8.9).
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+
+import keras_fp8
+from tests.backend_utils import rng_normal
+from tests.backend_utils import to_numpy
+
+_FP8_TYPES = ("f8e4m3fn", "f8e5m2")
+
+
+def _jax_fp8_gpu():
+    if keras.backend.backend() != "jax":
+        return False
+    from keras_fp8.backends import jax as jax_backend
+
+    return jax_backend.fp8_gemm_supported()
+
+
+pytestmark = pytest.mark.skipif(
+    not _jax_fp8_gpu(), reason="needs the JAX backend on an FP8 GPU"
+)
+
+
+def gemm_lines(hlo_text):
+    """The HLO lines that multiply matrices: cuBLAS custom calls and dots."""
+    lines = []
+    for line in hlo_text.splitlines():
+        if re.search(r'custom_call_target="__cublas', line) or re.search(
+            r"\bdot\(", line
+        ):
+            lines.append(line.strip())
+    return lines
+
+
+def _is_fp8(line):
+    operands = line.split("(", 2)[-1] if "custom-call(" in line else line
+    return any(t in operands for t in _FP8_TYPES)
+
+
+def _compiled_train_step_text(model, x, upstream):
+    import jax
+    import jax.numpy as jnp
+
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss(trainable, x):
+        y, nt = model.stateless_call(trainable, non_trainable, x, training=True)
+        return jnp.sum(y.astype(jnp.float32) * upstream), nt
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    return step.lower(trainable, x).compile().as_text(), step(trainable, x)
+
+
+def test_all_three_gemms_of_every_fp8_layer_are_fp8():
+    keras.mixed_precision.set_global_policy("fp8_hybrid")
+    model = keras.Sequential([
+        keras.Input((256,)),
+        keras_fp8.layers.FP8Dense(512, activation="relu"),
+        keras_fp8.layers.FP8Dense(384),
+    ])
+    x = rng_normal((1024, 256), 0).astype("float32")
+    upstream = rng_normal((1024, 384), 1)
+    text, _ = _compiled_train_step_text(model, x, upstream)
+    lines = gemm_lines(text)
+    print("\n".join(lines))
+    fp8_lines = [line for line in lines if _is_fp8(line)]
+    other = [line for line in lines if not _is_fp8(line)]
+    # 2 layers x (forward, dx, dW); the first layer's dx is not needed.
+    assert len(fp8_lines) >= 5, f"expected >= 5 FP8 GEMMs, found {len(fp8_lines)}"
+    assert not other, "GEMMs in bf16/f32 inside an FP8 model:\n" + "\n".join(other)
+
+
+def test_gpu_matches_emulation_within_fp8_tolerance():
+    from keras_fp8.backends import jax as jax_backend
+
+    keras.mixed_precision.set_global_policy("fp8_hybrid[history_len=8]")
+    keras.utils.set_random_seed(0)
+    layer = keras_fp8.layers.FP8Dense(96, use_bias=False)
+    layer.build((None, 80))
+    x = rng_normal((256, 80), 0)
+    y_gpu = to_numpy(layer(x, training=False))
+    jax_backend.fp8_gemm_supported.cache_clear()
+    original = jax_backend.fp8_gemm_supported
+    jax_backend.fp8_gemm_supported = lambda: False
+    try:
+        y_emu = to_numpy(layer(x, training=False))
+    finally:
+        jax_backend.fp8_gemm_supported = original
+    error = np.linalg.norm(y_gpu - y_emu) / np.linalg.norm(y_emu)
+    assert error < 1e-2, error

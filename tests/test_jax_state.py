@@ -1,0 +1,111 @@
+"""JAX: the FP8 state advances through jit/stateless training loops."""
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+
+import keras_fp8
+from tests import reference
+from tests.backend_utils import rng_normal
+from tests.backend_utils import to_numpy
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="JAX backend only"
+)
+
+
+def _model():
+    keras.mixed_precision.set_global_policy("fp8_hybrid[history_len=8]")
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((16,)), keras_fp8.layers.FP8Dense(8, name="fp8"),
+    ])
+
+
+def test_hand_written_jit_step_advances_state():
+    import jax
+    import jax.numpy as jnp
+
+    model = _model()
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(model.trainable_variables)
+    layer = model.get_layer("fp8")
+
+    @jax.jit
+    def train_step(state, x, y):
+        trainable, non_trainable, opt_vars = state
+
+        def loss_fn(trainable):
+            pred, nt = model.stateless_call(trainable, non_trainable, x, training=True)
+            return jnp.mean((pred.astype(jnp.float32) - y) ** 2), nt
+
+        (loss, non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
+        return loss, (trainable, non_trainable, opt_vars)
+
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in optimizer.variables],
+    )
+    xs = [rng_normal((4, 16), i, 1.0 + i) for i in range(3)]
+    y = rng_normal((4, 8), 9)
+    for x in xs:
+        _, state = train_step(state, x, y)
+    for v, value in zip(model.trainable_variables, state[0]):
+        v.assign(value)
+    for v, value in zip(model.non_trainable_variables, state[1]):
+        v.assign(value)
+    history = to_numpy(layer.input_amax_history)
+    expected = [reference.amax(x.astype(ml_dtypes.bfloat16)) for x in xs]
+    np.testing.assert_array_equal(history[:3], expected[::-1])
+    # The third step's gradient amax is still pending.
+    assert np.count_nonzero(to_numpy(layer.grad_amax_history)) == 2
+    assert to_numpy(layer.grad_amax_pending)[1] == 3.0
+
+
+def test_data_parallel_on_one_device():
+    import jax
+
+    distribution = keras.distribution.DataParallel(devices=jax.devices()[:1])
+    keras.distribution.set_distribution(distribution)
+    try:
+        model = _model()
+        model.compile(optimizer="adam", loss="mse")
+        x = rng_normal((32, 16), 0)
+        y = rng_normal((32, 8), 1)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        layer = model.get_layer("fp8")
+        assert np.count_nonzero(to_numpy(layer.input_amax_history)) == 4
+        assert np.count_nonzero(to_numpy(layer.grad_amax_history)) == 3
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def test_jax_and_torch_emulations_quantize_identically(tmp_path):
+    """Same inputs and scale: the JAX bytes equal the reference (and torch's)."""
+    import subprocess
+    import sys
+    import os
+
+    from keras_fp8 import scaling
+    from tests.backend_utils import fp8_bytes
+
+    x = rng_normal((257, 65), 3, 30.0)
+    scale = np.float32(0.0371)
+    ours = {fmt: fp8_bytes(scaling.quantize(x, scale, fmt)) for fmt in ("e4m3", "e5m2")}
+    np.save(tmp_path / "x.npy", x)
+    script = (
+        "import numpy as np, keras_fp8\n"
+        "from keras_fp8 import scaling\n"
+        "from tests.backend_utils import fp8_bytes\n"
+        f"x = np.load({str(tmp_path / 'x.npy')!r})\n"
+        "for fmt in ('e4m3', 'e5m2'):\n"
+        f"    np.save({str(tmp_path)!r} + '/' + fmt + '.npy', fp8_bytes(scaling.quantize(x, np.float32({float(scale)!r}), fmt)))\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=repo)
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=repo)
+    for fmt in ("e4m3", "e5m2"):
+        np.testing.assert_array_equal(np.load(tmp_path / f"{fmt}.npy"), ours[fmt])
