@@ -39,10 +39,12 @@ __device__ __forceinline__ unsigned abs_bits(float v) {
   return __float_as_uint(v) & 0x7fffffffu;
 }
 
-// Two floats -> two fp8 bytes (a in the low byte). Division is IEEE.
+// Two floats -> two fp8 bytes (a in the low byte). `inv` is 1/scale, one IEEE
+// division per thread: XLA turns x / scale into x * (1/scale), so the
+// reference multiplies by the exact reciprocal too (docs/numerics.md).
 template <bool kE5M2>
-__device__ __forceinline__ unsigned short q2(float a, float b, float s) {
-  float2 v = make_float2(a / s, b / s);
+__device__ __forceinline__ unsigned short q2(float a, float b, float inv) {
+  float2 v = make_float2(a * inv, b * inv);
   return __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, kE5M2 ? __NV_E5M2 : __NV_E4M3);
 }
 
@@ -114,7 +116,7 @@ struct Finalize {
   const float* scale_used; // the scale this call quantized with
   int algo;                // 0 max, 1 most_recent
   float fmax;
-  float mdiv;              // 2**margin as float32
+  float mdiv;              // 2**-margin as float32 (a multiplier)
   int skip_zero;
   // Amax-only calls (no fp8 output) skip the pre-pass: the last block derives
   // scale_used itself. 0: scale_used is given; 1: delayed seed rule (from
@@ -126,8 +128,9 @@ struct Finalize {
   float* scale_used_out;
 };
 
+// (window * f32(1/fmax)) * f32(2**-margin); `mdiv` carries 2**-margin.
 __device__ __forceinline__ float compute_scale(float window, float prev, float fmax, float mdiv) {
-  if (isfinite(window) && window > 0.f) return (window / fmax) / mdiv;
+  if (isfinite(window) && window > 0.f) return (window * (1.0f / fmax)) * mdiv;
   return prev;
 }
 
@@ -287,7 +290,7 @@ template <typename T, bool kE5M2>
 __global__ void __launch_bounds__(kThreads) quant_flat_kernel(
     const T* __restrict__ x, long long n, bool vec, uint8_t* __restrict__ q, Finalize f) {
   __shared__ unsigned smem[32];
-  const float s = *f.scale_used;
+  const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
   unsigned local = 0u;
   const long long stride = (long long)gridDim.x * blockDim.x;
   long long start_scalar = 0;
@@ -333,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, TR == 64 ? 4 : 3) quant_tile_kernel(
     uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
   __shared__ unsigned smem[32];
   __shared__ __align__(16) uint8_t tile[TR * kSmemStride];
-  const float s = *f.scale_used;
+  const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
   unsigned local = 0u;
   const long long ntx = (ext_c + kTileC - 1) / kTileC;
   const long long ntiles = ntx * ((ext_r + TR - 1) / TR);

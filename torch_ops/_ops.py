@@ -42,8 +42,9 @@ def _use_kernel(t: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _mdiv(margin: float) -> float:
-    # 2**margin rounded to float32 exactly as the emulation's torch.tensor(2.0**margin).
-    return struct.unpack("f", struct.pack("f", 2.0 ** float(margin)))[0]
+    # 2**-margin rounded to float32, the multiplier the emulation uses
+    # (docs/numerics.md: scales are built by multiplication).
+    return struct.unpack("f", struct.pack("f", 2.0 ** -float(margin)))[0]
 
 
 def _empty_fp8(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:

@@ -44,20 +44,23 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """q = cast_RNE(clamp(float32(x) / scale, -max, max)); NaN stays NaN."""
+    """q = cast_RNE(clamp(float32(x) * (1 / scale), -max, max)); NaN stays NaN.
+
+    A correctly rounded reciprocal, then a product: XLA rewrites x / scale
+    into exactly this, so every backend agrees bit for bit (docs/numerics.md).
+    """
     m = fp8_max(fp8_dtype)
-    y = x.detach().to(torch.float32) / _as_scalar(scale)
+    y = x.detach().to(torch.float32) * (1.0 / _as_scalar(scale))
     # torch.clamp keeps NaN and maps +-inf to +-max; the cast itself is RNE.
     return y.clamp(-m, m).to(fp8_dtype)
 
 
 def compute_scale(window: torch.Tensor, prev: torch.Tensor, fp8_dtype: torch.dtype, margin: float = 0.0) -> torch.Tensor:
-    """(window / fmt_max) / 2**margin if window is finite and > 0, else prev."""
+    """(window * f32(1/fmt_max)) * f32(2**-margin) if window is finite and > 0, else prev."""
     w = _as_scalar(window)
     p = _as_scalar(prev)
-    new = (w / torch.tensor(fp8_max(fp8_dtype), dtype=torch.float32, device=w.device)) / torch.tensor(
-        2.0 ** float(margin), dtype=torch.float32, device=w.device
-    )
+    inv_max = torch.tensor(1.0 / fp8_max(fp8_dtype), dtype=torch.float32, device=w.device)
+    new = (w * inv_max) * torch.tensor(2.0 ** -float(margin), dtype=torch.float32, device=w.device)
     ok = torch.isfinite(w) & (w > 0)
     return torch.where(ok, new, p)
 

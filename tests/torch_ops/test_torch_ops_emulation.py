@@ -35,7 +35,7 @@ def _special(x: torch.Tensor) -> torch.Tensor:
 
 def _ref_quant(x: np.ndarray, scale: np.float32, dt) -> np.ndarray:
     m = np.float32(MAX[dt])
-    y = (x.astype(np.float32) / np.float32(scale)).astype(np.float32)
+    y = (x.astype(np.float32) * (np.float32(1.0) / np.float32(scale))).astype(np.float32)
     with np.errstate(invalid="ignore"):
         y = np.where(np.isnan(y), y, np.clip(y, -m, m))
     return y.astype(NP[dt])
@@ -84,7 +84,7 @@ class EmulationQuantizeTest(parameterized.TestCase):
             self.assertEqual(emu.compute_scale(torch.tensor(w), prev, dt).item(), expect)
         w = np.float32(3.3)
         got = emu.compute_scale(torch.tensor(3.3), prev, dt, margin=1.0).item()
-        ref = (w / np.float32(MAX[dt])) / np.float32(2.0)
+        ref = (w * np.float32(1.0 / MAX[dt])) * np.float32(0.5)
         self.assertEqual(np.float32(got), ref)
 
 
@@ -103,12 +103,12 @@ class EmulationDelayedTest(parameterized.TestCase):
             prev = s.item()
             _, _, su, am = emu.quantize_delayed(x, h, s, E4M3, amax_compute_algo=algo)
             self.assertEqual(am.item(), a)
-            expect_used = np.float32(a) / np.float32(448.0) if empty else np.float32(prev)
+            expect_used = np.float32(a) * np.float32(1.0 / 448.0) if empty else np.float32(prev)
             self.assertEqual(np.float32(su.item()), expect_used)
             amaxes.insert(0, a)
             np.testing.assert_array_equal(h.numpy()[: min(k + 1, H)], np.float32(amaxes[:H]))
             win = max(amaxes[:H]) if algo == "max" else amaxes[0]
-            self.assertEqual(np.float32(s.item()), np.float32(win) / np.float32(448.0))
+            self.assertEqual(np.float32(s.item()), np.float32(win) * np.float32(1.0 / 448.0))
 
     def test_nonfinite_not_recorded_zero_recorded(self):
         h = torch.zeros(4)
@@ -141,12 +141,12 @@ class EmulationDelayedTest(parameterized.TestCase):
         emu.record_amax(h, s, torch.tensor(5.0), E5M2)
         emu.record_amax(h, s, torch.tensor(float("nan")), E5M2)
         self.assertEqual(h.tolist(), [5.0, 0.0, 0.0])
-        self.assertEqual(np.float32(s.item()), np.float32(5.0) / np.float32(57344.0))
+        self.assertEqual(np.float32(s.item()), np.float32(5.0) * np.float32(1.0 / 57344.0))
 
     def test_current_scaling(self):
         x = torch.randn(9, 4) * 10
         _, _, su, a = emu.quantize_current(x, E4M3)
-        self.assertEqual(np.float32(su.item()), np.float32(a.item()) / np.float32(448.0))
+        self.assertEqual(np.float32(su.item()), np.float32(a.item()) * np.float32(1.0 / 448.0))
         _, _, su, _ = emu.quantize_current(torch.zeros(3), E4M3, prev_scale=torch.tensor(0.25))
         self.assertEqual(su.item(), 0.25)
 
