@@ -14,7 +14,10 @@ import threading
 import torch
 
 _NAME = "keras_fp8_torch_ops"
-_CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+_HERE = pathlib.Path(__file__).resolve().parent
+# An installed wheel ships the sources as torch_ops/csrc (pyproject.toml); a
+# source checkout has them at the top level.
+_CSRC = _HERE / "csrc" if (_HERE / "csrc").is_dir() else _HERE.parent / "csrc"
 _SOURCES = ("bindings.cpp", "gemm.cpp", "quantize.cu")
 
 _lock = threading.Lock()
