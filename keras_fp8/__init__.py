@@ -50,6 +50,7 @@ from keras_fp8 import layers
 from keras_fp8 import recipes
 from keras_fp8 import scaling
 from keras_fp8.autocast import autocast
+from keras_fp8.convert import convert
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from keras_fp8.policy import FP8DTypePolicy
@@ -70,6 +71,7 @@ __all__ = [
     "FP8EinsumDense",
     "POLICY_NAMES",
     "autocast",
+    "convert",
     "layers",
     "recipes",
     "scaling",
