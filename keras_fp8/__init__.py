@@ -47,6 +47,7 @@ _default_backend_if_unusable()
 from keras_fp8 import autocast as _autocast_module  # noqa: E402
 from keras_fp8 import policy as _policy_module
 from keras_fp8 import layers
+from keras_fp8 import optimizers
 from keras_fp8 import recipes
 from keras_fp8 import scaling
 from keras_fp8.autocast import autocast
@@ -62,6 +63,7 @@ __version__ = "0.1.0"
 
 _policy_module.register()
 _autocast_module.register()
+optimizers.register()
 
 __all__ = [
     "CurrentScaling",
@@ -73,6 +75,7 @@ __all__ = [
     "autocast",
     "convert",
     "layers",
+    "optimizers",
     "recipes",
     "scaling",
 ]

@@ -23,11 +23,12 @@ def train_call_with_grads(layer, x, upstream):
     if backend == "torch":
         import torch
 
-        xt = torch.tensor(x, requires_grad=True)
+        # convert_to_tensor puts the data on Keras's device (the GPU if any).
+        xt = keras.ops.convert_to_tensor(x).detach().requires_grad_()
         for v in layer.trainable_variables:
             v.value.grad = None
         y = layer(xt, training=True)
-        loss = (y.float() * torch.tensor(upstream, dtype=torch.float32)).sum()
+        loss = (y.float() * keras.ops.convert_to_tensor(upstream, "float32")).sum()
         loss.backward()
         grads = {
             v.path: to_numpy(v.value.grad) for v in layer.trainable_variables
@@ -60,6 +61,28 @@ def train_call_with_grads(layer, x, upstream):
         }
         return to_numpy(y), to_numpy(g_x), grads
     raise NotImplementedError(backend)
+
+
+def real_fp8_gemm():
+    """True where FP8 layers run real FP8 GEMMs (not the exact emulation)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        import torch_ops
+
+        return torch_ops.is_available()
+    from keras_fp8.backends import jax as jax_backend
+
+    return jax_backend.fp8_gemm_supported()
+
+
+def gemm_rtol(emulated=1e-5):
+    """Tolerance for an FP8 GEMM against the float32 reference: tight for the
+    emulation, ~1e-2 on GPUs, whose FP8 tensor cores accumulate in reduced
+    precision (fast accumulation) and in a different order."""
+    return 2e-2 if real_fp8_gemm() else emulated
 
 
 def rng_normal(shape, seed, scale=1.0):

@@ -9,6 +9,11 @@ if "KERAS_BACKEND" not in os.environ:
     os.environ["KERAS_BACKEND"] = "torch"
 
 
+# On an FP8 GPU, exercise the FP8 GEMMs even at test sizes (below the default
+# small-GEMM threshold torch_ops would run them in bf16).
+os.environ.setdefault("TORCH_OPS_FP8_MIN_GEMM_SIZE", "0")
+
+
 @pytest.fixture(autouse=True)
 def _reset_global_policy():
     import keras

@@ -9,6 +9,7 @@ from absl.testing import parameterized
 import keras_fp8
 from keras_fp8.layers import FP8Dense
 from tests import reference
+from tests.backend_utils import gemm_rtol
 from tests.backend_utils import rng_normal
 from tests.backend_utils import to_numpy
 from tests.backend_utils import train_call_with_grads
@@ -21,9 +22,12 @@ def _bf16(x):
 
 
 def _assert_close_bf16(actual, expected, msg=""):
-    """Equal up to one bfloat16 rounding step (float32 summation order)."""
+    """Equal up to one bfloat16 rounding step (float32 summation order); on
+    GPUs within the FP8 tensor cores' accumulation error."""
+    rtol = gemm_rtol(emulated=2**-7)
     np.testing.assert_allclose(
-        actual, expected, rtol=2**-7, atol=1e-6 * np.abs(expected).max(), err_msg=msg
+        actual, expected, rtol=rtol, atol=rtol * 1e-2 * np.abs(expected).max(),
+        err_msg=msg,
     )
 
 
@@ -63,9 +67,10 @@ class FP8DenseNumericsTest(parameterized.TestCase):
         dx_ref = _bf16((qg @ qk.T) * np.float32(sg * sk))
         dk_ref = (qx.T @ qg) * np.float32(sx * sg)
         _assert_close_bf16(dx.reshape(-1, shape[-1]), dx_ref, "dx")
+        rtol = gemm_rtol()
         np.testing.assert_allclose(
-            grads[layer.kernel.path], dk_ref, rtol=1e-5,
-            atol=1e-6 * np.abs(dk_ref).max(),
+            grads[layer.kernel.path], dk_ref, rtol=rtol,
+            atol=rtol * 1e-1 * np.abs(dk_ref).max(),
         )
         np.testing.assert_allclose(grads[layer.bias.path], g.sum(0), rtol=1e-2)
         # The pending gradient amax: [amax of the output gradient, token 1].

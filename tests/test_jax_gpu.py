@@ -30,20 +30,31 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def gemm_lines(hlo_text):
-    """The HLO lines that multiply matrices: cuBLAS custom calls and dots."""
-    lines = []
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?([a-z0-9]+)\[")
+
+
+def gemm_operand_types(hlo_text):
+    """For every matrix product in compiled HLO (dots inside fusions and
+    cuBLAS custom calls), the element types of its two operands."""
+    types = {}
     for line in hlo_text.splitlines():
-        if re.search(r'custom_call_target="__cublas', line) or re.search(
-            r"\bdot\(", line
-        ):
-            lines.append(line.strip())
-    return lines
+        m = _DEF.match(line)
+        if m:
+            types[m.group(1)] = m.group(2)
+    products = []
+    for line in hlo_text.splitlines():
+        gemm = re.search(r"\b(dot|custom-call)\(([^)]*)\)", line)
+        if not gemm:
+            continue
+        if gemm.group(1) == "custom-call" and "__cublas" not in line:
+            continue
+        names = re.findall(r"%([\w.\-]+)", gemm.group(2))[:2]
+        products.append((line.strip()[:160], [types.get(n, "?") for n in names]))
+    return products
 
 
-def _is_fp8(line):
-    operands = line.split("(", 2)[-1] if "custom-call(" in line else line
-    return any(t in operands for t in _FP8_TYPES)
+def _is_fp8(operand_types):
+    return all(t in _FP8_TYPES for t in operand_types) and operand_types
 
 
 def _compiled_train_step_text(model, x, upstream):
@@ -71,10 +82,11 @@ def test_all_three_gemms_of_every_fp8_layer_are_fp8():
     x = rng_normal((1024, 256), 0).astype("float32")
     upstream = rng_normal((1024, 384), 1)
     text, _ = _compiled_train_step_text(model, x, upstream)
-    lines = gemm_lines(text)
-    print("\n".join(lines))
-    fp8_lines = [line for line in lines if _is_fp8(line)]
-    other = [line for line in lines if not _is_fp8(line)]
+    products = gemm_operand_types(text)
+    for line, types in products:
+        print(types, line)
+    fp8_lines = [line for line, types in products if _is_fp8(types)]
+    other = [f"{types} {line}" for line, types in products if not _is_fp8(types)]
     # 2 layers x (forward, dx, dW); the first layer's dx is not needed.
     assert len(fp8_lines) >= 5, f"expected >= 5 FP8 GEMMs, found {len(fp8_lines)}"
     assert not other, "GEMMs in bf16/f32 inside an FP8 model:\n" + "\n".join(other)

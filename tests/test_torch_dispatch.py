@@ -54,7 +54,7 @@ def _run_steps(layer, xs, ups, dispatch):
     try:
         outs, dxs, dks = [], [], []
         for x, up in zip(xs, ups):
-            xt = torch.tensor(x, device=_device(), requires_grad=True)
+            xt = torch.tensor(x, device=_device()).requires_grad_()
             for v in layer.trainable_variables:
                 v.value.grad = None
             y = layer(xt, training=True)
@@ -85,6 +85,8 @@ class TorchDispatchTest(parameterized.TestCase):
         ("aligned", (64, 32), 48, "fp8_hybrid[history_len=8]"),
         ("ragged", (3, 7, 33), 17, "fp8_hybrid[history_len=8]"),
         ("e4m3_current", (16, 32), 24, "fp8_e4m3[scaling=current]"),
+        ("margin_most_recent", (32, 48), 40,
+         "fp8_hybrid[history_len=8,margin=1.0,amax_compute_algo=most_recent]"),
     )
     def test_same_state_as_emulation(self, shape, units, policy):
         dispatch = "kernels" if _fp8_gpu() else "torch_ops"

@@ -9,8 +9,10 @@ lacks FP8 or the compiled kernels). `torch_ops` is imported lazily, here only.
 import functools
 import warnings
 
+import numpy as np
 import torch
 
+from keras_fp8 import recipes
 from keras_fp8.backends import emulation
 
 
@@ -113,6 +115,62 @@ class _EmitToken(torch.autograd.Function):
         return grad, dpending, None
 
 
+_FOLD_COUNT_PERIOD = 2.0**20
+
+
+@torch.no_grad()
+def fold_pending_grad_amax(layer, recipe):
+    """`FP8StateMixin._fold_pending_grad_amax` in plain torch ops, in place.
+
+    The same float32 operations in the same order (bit-identical state), but
+    without Keras's per-op conversions of Python scalars to device tensors,
+    which cost milliseconds of host time per call on a GPU.
+
+    Returns:
+        The 0-d token this call's backward emits.
+    """
+    from keras_fp8 import scaling
+
+    pending = layer.grad_amax_pending.value.detach()
+    fold_state = layer.grad_fold_state.value
+    history = layer.grad_amax_history.value
+    scale = layer.grad_scale.value
+    amax, token, loss_scale = pending[0], pending[1], pending[2]
+    folds, last_token, last_loss_scale = fold_state[0], fold_state[1], fold_state[2]
+    one = torch.ones_like(loss_scale)
+    rescale = torch.where(
+        (loss_scale > 0) & (last_loss_scale > 0),
+        loss_scale / torch.clamp_min(last_loss_scale, 1e-30),
+        one,
+    )
+    history.mul_(rescale)
+    scale.mul_(rescale)
+    new_last_loss_scale = torch.where(loss_scale > 0, loss_scale, last_loss_scale)
+    fresh = (token > 0) & (token != last_token)
+    record = fresh & torch.isfinite(amax) & (amax > 0)
+    shifted = torch.cat([amax.reshape(1), history[:-1]])
+    history.copy_(torch.where(record, shifted, history))
+    if not isinstance(recipe, recipes.CurrentScaling):
+        if recipe.amax_compute_algo == "most_recent":
+            window = history[0]
+        else:
+            window = history[: recipe.history_len].amax()
+        # Python scalars go to the kernel as float32 arguments: no host to
+        # device copy (a pageable copy would synchronize the stream).
+        new = (window * float(scaling.inverse_format_max(recipe.backward_format))) * float(
+            np.float32(2.0 ** -float(recipe.margin))
+        )
+        usable = torch.isfinite(window) & (window > 0)
+        scale.copy_(torch.where(fresh & usable, new, scale))
+    new_folds = torch.where(
+        fresh, torch.remainder(folds + 1.0, _FOLD_COUNT_PERIOD), folds
+    )
+    fold_state.copy_(
+        torch.stack([new_folds, torch.where(fresh, token, last_token), new_last_loss_scale])
+    )
+    return new_folds + 1.0
+
+
 def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
     """`x @ kernel (+ bias)` through `torch_ops.fp8_linear`, or None.
 
@@ -140,7 +198,7 @@ def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
     if torch_ops is None:
         return None
     if training:
-        _, _, token = layer._fold_pending_grad_amax(recipe, recipe.backward_format)
+        token = fold_pending_grad_amax(layer, recipe)
     else:
         token = torch.zeros((), dtype=torch.float32, device=x.device)
     state = torch_ops.FP8LinearState(
