@@ -139,6 +139,43 @@ class TorchDispatchTest(parameterized.TestCase):
             to_numpy(ours.grad_amax_history), to_numpy(ref.grad_amax_history)
         )
 
+    def test_layer_used_twice_in_one_step(self):
+        import torch
+
+        dispatch = "kernels" if _fp8_gpu() else "torch_ops"
+
+        def make():
+            layer = FP8Dense(16, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0)
+            layer.build((8, 32))
+            return layer
+
+        ours, ref = _clone_pair(make)
+        x = rng_normal((8, 32), 0)
+        for layer, mode in ((ours, dispatch), (ref, "emulation")):
+            from keras_fp8.backends import torch as torch_backend
+
+            original = torch_backend._kernels_for
+            if mode == "emulation":
+                torch_backend._kernels_for = lambda t: None
+            else:
+                import torch_ops
+
+                torch_backend._kernels_for = lambda t: torch_ops
+            try:
+                for _ in range(2):
+                    xt = torch.tensor(x, device=_device()).requires_grad_()
+                    y = layer(xt, training=True) + layer(xt * 2.0, training=True)
+                    y.float().sum().backward()
+                    layer.grad_amax_pending.assign(layer.grad_amax_pending.value.grad)
+                    layer.grad_amax_pending.value.grad = None
+            finally:
+                torch_backend._kernels_for = original
+        for name in ("input_amax_history", "grad_amax_history", "grad_amax_pending",
+                     "grad_fold_state", "grad_scale"):
+            np.testing.assert_array_equal(
+                to_numpy(getattr(ours, name)), to_numpy(getattr(ref, name)), err_msg=name
+            )
+
     def test_einsum_dispatches_too(self):
         dispatch = "kernels" if _fp8_gpu() else "torch_ops"
 

@@ -195,7 +195,9 @@ def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
         The `(M, N)` output, or None when the kernels cannot run here.
     """
     torch_ops = _kernels_for(x)
-    if torch_ops is None:
+    if torch_ops is None or isinstance(recipe, recipes.CurrentScaling):
+        # torch_ops does not publish current-scaling scales; the generic path
+        # (torch_ops GEMMs, keras.ops state) keeps the Keras semantics.
         return None
     if training:
         token = fold_pending_grad_amax(layer, recipe)
@@ -206,8 +208,11 @@ def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
         input_amax_history=layer.input_amax_history.value,
         kernel_scale=layer.kernel_scale.value,
         kernel_amax_history=layer.kernel_amax_history.value,
-        grad_scale=layer.grad_scale.value,
-        grad_amax_history=layer.grad_amax_history.value,
+        # Read only (the gradient amax leaves through the sink), but saved
+        # for the backward: copies, so that a second call of the layer in the
+        # same step may fold into the variables in place.
+        grad_scale=layer.grad_scale.value.clone(),
+        grad_amax_history=layer.grad_amax_history.value.clone(),
     )
     pending = layer._raw_value(layer.grad_amax_pending)
     y = torch_ops.fp8_linear(

@@ -142,7 +142,7 @@ class QuantizeKernelTest(parameterized.TestCase):
             torch_ops.quantize_delayed(x, h, s, E4M3)
         self.assertEqual(h[:10].tolist(), amaxes)
         self.assertEqual(h[10:].abs().max().item(), 0.0)
-        self.assertEqual(s.item(), torch.tensor(max(amaxes)).div(448.0).item())
+        self.assertEqual(s.item(), (torch.tensor(max(amaxes)) * torch.tensor(1.0 / 448.0)).item())  # docs/numerics.md
 
     def test_record_false_and_seed(self):
         h, s = torch.zeros(4, device=DEV), torch.full((), 3.0, device=DEV)
