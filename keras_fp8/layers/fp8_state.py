@@ -24,6 +24,8 @@ fold rescales the gradient history and scale by the same factor, so the next
 E5M2 gradient neither saturates nor underflows. Zero means "no loss scaling".
 """
 
+import warnings
+
 from keras import ops
 from keras.src.backend.common.variables import AutocastScope
 
@@ -47,6 +49,16 @@ STATE_VARIABLE_NAMES = (
 )
 # Fold counts wrap here so that tokens stay exact in float32.
 _FOLD_COUNT_PERIOD = 2.0**20
+
+# When an FP8 layer runs without FP8 (a non-FP8 policy, or autocast(enabled=
+# False)), its `grad_amax_pending` gets no gradient, and Keras's optimizers on
+# torch warn about it at every step. That is expected, so silence exactly the
+# warnings whose list holds nothing but these variables.
+warnings.filterwarnings(
+    "ignore",
+    message=r"Gradients do not exist for variables "
+    r"\[('[^']*grad_amax_pending'(, )?)+\] when minimizing the loss",
+)
 
 
 class FP8StateMixin:
