@@ -54,11 +54,11 @@ _FOLD_COUNT_PERIOD = 2.0**20
 # False)), its `grad_amax_pending` gets no gradient, and Keras's optimizers on
 # torch warn about it at every step. That is expected, so silence exactly the
 # warnings whose list holds nothing but these variables.
-warnings.filterwarnings(
-    "ignore",
-    message=r"Gradients do not exist for variables "
-    r"\[('[^']*grad_amax_pending'(, )?)+\] when minimizing the loss",
+PENDING_ONLY_MISSING_GRADIENTS = (
+    r"Gradients do not exist for variables "
+    r"\[('[^']*grad_amax_pending'(, )?)+\] when minimizing the loss"
 )
+warnings.filterwarnings("ignore", message=PENDING_ONLY_MISSING_GRADIENTS)
 
 
 class FP8StateMixin:
