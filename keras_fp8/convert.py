@@ -113,15 +113,7 @@ def convert(
     exclude_fn = _selector(exclude, "exclude", default=False)
     if recipe is not None:
         recipe = recipes.get(recipe)
-    if min_gemm_size is not None and (
-        isinstance(min_gemm_size, bool)
-        or not isinstance(min_gemm_size, int)
-        or min_gemm_size < 0
-    ):
-        raise ValueError(
-            "Invalid `min_gemm_size`. Expected None or an integer >= 0. "
-            f"Received: min_gemm_size={min_gemm_size!r}"
-        )
+    recipes.check_min_gemm_size(min_gemm_size)
     if policy is not None:
         policy = _check_policy(policy)
     if not model.built:

@@ -165,15 +165,7 @@ class FP8DTypePolicy(keras.DTypePolicy):
         base, name_recipe, name_min_gemm_size = _decode_name(name)
         if min_gemm_size is None:
             min_gemm_size = name_min_gemm_size
-        if min_gemm_size is not None and (
-            isinstance(min_gemm_size, bool)
-            or not isinstance(min_gemm_size, int)
-            or min_gemm_size < 0
-        ):
-            raise ValueError(
-                "Invalid `min_gemm_size`. Expected None or an integer >= 0. "
-                f"Received: min_gemm_size={min_gemm_size!r}"
-            )
+        recipes.check_min_gemm_size(min_gemm_size)
         if recipe is not None:
             recipe = recipes.get(recipe)
             if recipe.fp8_format != name_recipe.fp8_format:

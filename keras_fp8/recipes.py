@@ -47,6 +47,24 @@ def _check_margin(margin):
         )
 
 
+def check_min_gemm_size(min_gemm_size):
+    """Validates a `min_gemm_size` setting (None or an integer >= 0).
+
+    Returns:
+        The value, unchanged.
+    """
+    if min_gemm_size is not None and (
+        isinstance(min_gemm_size, bool)
+        or not isinstance(min_gemm_size, int)
+        or min_gemm_size < 0
+    ):
+        raise ValueError(
+            "Invalid `min_gemm_size`. Expected None or an integer >= 0. "
+            f"Received: min_gemm_size={min_gemm_size!r}"
+        )
+    return min_gemm_size
+
+
 class Recipe:
     """Base class of the scaling recipes.
 

@@ -21,8 +21,6 @@ def train_call_with_grads(layer, x, upstream):
     """
     backend = keras.backend.backend()
     if backend == "torch":
-        import torch
-
         # convert_to_tensor puts the data on Keras's device (the GPU if any).
         xt = keras.ops.convert_to_tensor(x).detach().requires_grad_()
         for v in layer.trainable_variables:

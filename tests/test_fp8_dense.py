@@ -3,7 +3,6 @@
 import keras
 import ml_dtypes
 import numpy as np
-import pytest
 from absl.testing import parameterized
 
 import keras_fp8

@@ -4,7 +4,6 @@ import keras
 from keras import ops
 from keras.saving import register_keras_serializable
 
-from keras_fp8 import recipes
 from keras_fp8.layers.fp8_state import FP8StateMixin
 
 
@@ -84,38 +83,3 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
         if self.activation is not None:
             y = self.activation(y)
         return y
-
-    def save_own_variables(self, store):
-        if not self.built:
-            return
-        super().save_own_variables(store)
-        self._save_fp8_state(store, start=self._own_variable_count())
-
-    def load_own_variables(self, store):
-        if not self.built:
-            return
-        self._check_load_own_variables(store)
-        self._kernel.assign(store["0"])
-        if self.bias is not None:
-            self.bias.assign(store["1"])
-        self._load_fp8_state(store, start=self._own_variable_count())
-
-    def _own_variable_count(self):
-        return 2 if self.bias is not None else 1
-
-    def get_config(self):
-        config = super().get_config()
-        config["min_gemm_size"] = self.min_gemm_size
-        config["recipe"] = (
-            keras.saving.serialize_keras_object(self.recipe)
-            if self.recipe is not None
-            else None
-        )
-        return config
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if config.get("recipe") is not None:
-            config["recipe"] = recipes.get(config["recipe"])
-        return super().from_config(config)

@@ -27,6 +27,7 @@ E5M2 gradient neither saturates nor underflows. Zero means "no loss scaling".
 import warnings
 
 from keras import ops
+from keras.saving import serialize_keras_object
 from keras.src.backend.common.variables import AutocastScope
 
 from keras_fp8 import backends
@@ -71,16 +72,7 @@ class FP8StateMixin:
 
     def _init_fp8(self, recipe, min_gemm_size):
         self.recipe = recipes.get(recipe) if recipe is not None else None
-        if min_gemm_size is not None and (
-            isinstance(min_gemm_size, bool)
-            or not isinstance(min_gemm_size, int)
-            or min_gemm_size < 0
-        ):
-            raise ValueError(
-                "Invalid `min_gemm_size`. Expected None or an integer >= 0. "
-                f"Received: min_gemm_size={min_gemm_size!r}"
-            )
-        self.min_gemm_size = min_gemm_size
+        self.min_gemm_size = recipes.check_min_gemm_size(min_gemm_size)
 
     def _build_time_recipe(self):
         if self.recipe is not None:
@@ -299,10 +291,42 @@ class FP8StateMixin:
                 f"Received: inputs.dtype={dtype}"
             )
 
-    def _save_fp8_state(self, store, start):
+    # Saving: Keras's Dense/EinsumDense save only their own kernel and bias,
+    # so the FP8 state follows them, in STATE_VARIABLE_NAMES order.
+
+    def _own_variable_count(self):
+        return 2 if self.bias is not None else 1
+
+    def save_own_variables(self, store):
+        if not self.built:
+            return
+        super().save_own_variables(store)
+        start = self._own_variable_count()
         for i, variable in enumerate(self.fp8_state_variables):
             store[str(start + i)] = variable
 
-    def _load_fp8_state(self, store, start):
+    def load_own_variables(self, store):
+        if not self.built:
+            return
+        self._check_load_own_variables(store)
+        self._kernel.assign(store["0"])
+        if self.bias is not None:
+            self.bias.assign(store["1"])
+        start = self._own_variable_count()
         for i, variable in enumerate(self.fp8_state_variables):
             variable.assign(store[str(start + i)])
+
+    def get_config(self):
+        config = super().get_config()
+        config["min_gemm_size"] = self.min_gemm_size
+        config["recipe"] = (
+            serialize_keras_object(self.recipe) if self.recipe is not None else None
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if config.get("recipe") is not None:
+            config["recipe"] = recipes.get(config["recipe"])
+        return super().from_config(config)
