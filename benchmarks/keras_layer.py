@@ -26,7 +26,6 @@ sys.path.insert(
 )
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 import keras_fp8  # noqa: E402
 
@@ -62,21 +61,9 @@ def bench_torch(layer, m, k, n, iters):
         with torch.no_grad():
             layer(x, training=True)
 
-    out = []
-    for fn in (step, fwd):
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        out.append(median_ms(times))
+    from benchmarks.timing import cuda_median_ms
+
+    out = [cuda_median_ms(fn, iters, warmup=5) for fn in (step, fwd)]
     return out
 
 

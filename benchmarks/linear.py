@@ -14,7 +14,6 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
 import torch_ops  # noqa: E402
+from benchmarks.timing import cuda_median_ms  # noqa: E402
 
 SHAPES = [
     (16384, 4096, 4096),
@@ -35,19 +35,7 @@ LARGE = {(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)}
 
 
 def bench(fn, iters=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return cuda_median_ms(fn, iters, warmup)
 
 
 def bench_graph(step, iters=20):
