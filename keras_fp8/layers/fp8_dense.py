@@ -65,14 +65,9 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
         self._tracker.lock()
 
     def call(self, inputs, training=None):
-        recipe = self._fp8_recipe()
+        recipe = self._fp8_call_recipe(inputs)
         if recipe is None:
             return super().call(inputs, training=training)
-        if self.lora_enabled:
-            raise NotImplementedError(
-                f"Layer '{self.name}': LoRA is not supported in FP8 mode."
-            )
-        self._check_fp8_inputs(inputs)
         # Rank 2 skips two reshapes (Keras ops cost host time per call).
         flat = len(inputs.shape) == 2
         x = inputs if flat else ops.reshape(inputs, (-1, self._kernel.shape[0]))

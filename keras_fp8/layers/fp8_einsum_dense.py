@@ -121,14 +121,9 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         self._tracker.lock()
 
     def call(self, inputs, training=None):
-        recipe = self._fp8_recipe()
+        recipe = self._fp8_call_recipe(inputs)
         if recipe is None:
             return super().call(inputs, training=training)
-        if self.lora_enabled:
-            raise NotImplementedError(
-                f"Layer '{self.name}': LoRA is not supported in FP8 mode."
-            )
-        self._check_fp8_inputs(inputs)
 
         def matmul(x2d, kernel2d):
             return self._fp8_matmul(x2d, kernel2d, recipe, bool(training))

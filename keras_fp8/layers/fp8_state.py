@@ -282,7 +282,16 @@ class FP8StateMixin:
             recipe=recipe,
         )
 
-    def _check_fp8_inputs(self, inputs):
+    def _fp8_call_recipe(self, inputs):
+        """The recipe of this call (None: run as the base layer), after
+        checking that an FP8 call can take `inputs`."""
+        recipe = self._fp8_recipe()
+        if recipe is None:
+            return None
+        if self.lora_enabled:
+            raise NotImplementedError(
+                f"Layer '{self.name}': LoRA is not supported in FP8 mode."
+            )
         dtype = ops.dtype(inputs) if hasattr(inputs, "dtype") else None
         if dtype is None or "float" not in str(dtype):
             raise ValueError(
@@ -290,6 +299,7 @@ class FP8StateMixin:
                 "and expects floating-point inputs. "
                 f"Received: inputs.dtype={dtype}"
             )
+        return recipe
 
     # Saving: Keras's Dense/EinsumDense save only their own kernel and bias,
     # so the FP8 state follows them, in STATE_VARIABLE_NAMES order.
