@@ -227,12 +227,8 @@ def _convert_layer(layer, target, matmul_plan, recipe, min_gemm_size, policy):
     # The layer's own name scope (with its recorded parent path) gives the
     # new variables the paths `build` would have given them; `add_weight`
     # tracks them (and on torch registers them in the module's parameters).
-    layer._tracker.unlock()
-    try:
-        with layer._open_name_scope():
-            layer._build_fp8_state()
-    finally:
-        layer._tracker.lock()
+    with layer._open_name_scope():
+        layer._build_fp8_state()
 
 
 def _source_class(layer):

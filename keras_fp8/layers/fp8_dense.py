@@ -60,9 +60,7 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
 
     def build(self, input_shape):
         super().build(input_shape)
-        self._tracker.unlock()
         self._build_fp8_state()
-        self._tracker.lock()
 
     def call(self, inputs, training=None):
         recipe = self._fp8_call_recipe(inputs)

@@ -116,9 +116,7 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
     def build(self, input_shape):
         self._plan = MatmulPlan(self.equation, len(input_shape))
         super().build(input_shape)
-        self._tracker.unlock()
         self._build_fp8_state()
-        self._tracker.lock()
 
     def call(self, inputs, training=None):
         recipe = self._fp8_call_recipe(inputs)

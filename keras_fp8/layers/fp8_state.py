@@ -85,6 +85,15 @@ class FP8StateMixin:
         return recipes.DelayedScaling()
 
     def _build_fp8_state(self):
+        """Creates the FP8 state variables (after the base layer's `build`,
+        which has locked the layer's variable tracker)."""
+        self._tracker.unlock()
+        try:
+            self._add_fp8_state_variables()
+        finally:
+            self._tracker.lock()
+
+    def _add_fp8_state_variables(self):
         recipe = self._build_time_recipe()
         history_len = getattr(recipe, "history_len", 1)
         for role in ROLES:
