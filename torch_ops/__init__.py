@@ -14,6 +14,7 @@ import torch
 from . import emulation
 from . import _build
 from . import _ops  # registers torch.ops.torch_ops.*
+from .fold import fold_pending_grad_amax
 from .linear import DEFAULT_MIN_GEMM_SIZE, FP8LinearState, fp8_linear
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "emulation",
     "fp8_gemm",
     "fp8_linear",
+    "fold_pending_grad_amax",
     "is_available",
     "quantize",
     "quantize_current",

@@ -9,7 +9,6 @@ lacks FP8 or the compiled kernels). `torch_ops` is imported lazily, here only.
 import functools
 import warnings
 
-import numpy as np
 import torch
 
 from keras_fp8 import recipes
@@ -115,60 +114,7 @@ class _EmitToken(torch.autograd.Function):
         return grad, dpending, None
 
 
-_FOLD_COUNT_PERIOD = 2.0**20
-
-
-@torch.no_grad()
-def fold_pending_grad_amax(layer, recipe):
-    """`FP8StateMixin._fold_pending_grad_amax` in plain torch ops, in place.
-
-    The same float32 operations in the same order (bit-identical state), but
-    without Keras's per-op conversions of Python scalars to device tensors,
-    which cost milliseconds of host time per call on a GPU.
-
-    Returns:
-        The 0-d token this call's backward emits.
-    """
-    from keras_fp8 import scaling
-
-    pending = layer.grad_amax_pending.value.detach()
-    fold_state = layer.grad_fold_state.value
-    history = layer.grad_amax_history.value
-    scale = layer.grad_scale.value
-    amax, token, loss_scale = pending[0], pending[1], pending[2]
-    folds, last_token, last_loss_scale = fold_state[0], fold_state[1], fold_state[2]
-    one = torch.ones_like(loss_scale)
-    rescale = torch.where(
-        (loss_scale > 0) & (last_loss_scale > 0),
-        loss_scale / torch.clamp_min(last_loss_scale, 1e-30),
-        one,
-    )
-    history.mul_(rescale)
-    scale.mul_(rescale)
-    new_last_loss_scale = torch.where(loss_scale > 0, loss_scale, last_loss_scale)
-    fresh = (token > 0) & (token != last_token)
-    record = fresh & torch.isfinite(amax) & (amax > 0)
-    shifted = torch.cat([amax.reshape(1), history[:-1]])
-    history.copy_(torch.where(record, shifted, history))
-    if not isinstance(recipe, recipes.CurrentScaling):
-        if recipe.amax_compute_algo == "most_recent":
-            window = history[0]
-        else:
-            window = history[: recipe.history_len].amax()
-        # Python scalars go to the kernel as float32 arguments: no host to
-        # device copy (a pageable copy would synchronize the stream).
-        new = (window * float(scaling.inverse_format_max(recipe.backward_format))) * float(
-            np.float32(2.0 ** -float(recipe.margin))
-        )
-        usable = torch.isfinite(window) & (window > 0)
-        scale.copy_(torch.where(fresh & usable, new, scale))
-    new_folds = torch.where(
-        fresh, torch.remainder(folds + 1.0, _FOLD_COUNT_PERIOD), folds
-    )
-    fold_state.copy_(
-        torch.stack([new_folds, torch.where(fresh, token, last_token), new_last_loss_scale])
-    )
-    return new_folds + 1.0
+_FP8_DTYPES = {recipes.E4M3: torch.float8_e4m3fn, recipes.E5M2: torch.float8_e5m2}
 
 
 def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
@@ -178,10 +124,12 @@ def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
     variables are the kernels' state buffers: the fused quantize kernels
     update the input and kernel histories and scales in place (no copies, no
     host sync); the output gradient's amax and the fold token return through
-    the gradient of `grad_amax_pending`, exactly as on the emulated path.
+    the gradient of `grad_amax_pending`, exactly as on the emulated path, and
+    `torch_ops.fold_pending_grad_amax` folds them in (one launch, the same
+    float32 operations as `FP8StateMixin._fold_pending_grad_amax`).
 
     Args:
-        layer: The FP8 layer (its state variables and fold logic are used).
+        layer: The FP8 layer (its state variables are used).
         x: `(M, K)` tensor in the compute dtype.
         kernel: `(K, N)` float32 kernel (the variable's own tensor).
         bias: Optional `(N,)` bias variable (read in the compute dtype),
@@ -199,39 +147,53 @@ def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
         # torch_ops does not publish current-scaling scales; the generic path
         # (torch_ops GEMMs, keras.ops state) keeps the Keras semantics.
         return None
+    # The state variables are never autocast: `.value` is the float32 tensor.
+    pending = layer.grad_amax_pending.value
     if training:
-        token = fold_pending_grad_amax(layer, recipe)
+        # The snapshots stay valid for this call's backward even when a second
+        # call of the layer folds into the variables again.
+        token, grad_scale, grad_history = torch_ops.fold_pending_grad_amax(
+            pending,
+            layer.grad_fold_state.value,
+            layer.grad_amax_history.value,
+            layer.grad_scale.value,
+            _FP8_DTYPES[recipe.backward_format],
+            margin=recipe.margin,
+            amax_compute_algo=recipe.amax_compute_algo,
+            window=recipe.history_len,
+        )
     else:
-        token = torch.zeros((), dtype=torch.float32, device=x.device)
+        token = None
+        grad_scale = layer.grad_scale.value
+        grad_history = layer.grad_amax_history.value
     state = torch_ops.FP8LinearState(
         input_scale=layer.input_scale.value,
         input_amax_history=layer.input_amax_history.value,
         kernel_scale=layer.kernel_scale.value,
         kernel_amax_history=layer.kernel_amax_history.value,
-        # Read only (the gradient amax leaves through the sink), but saved
-        # for the backward: copies, so that a second call of the layer in the
-        # same step may fold into the variables in place.
-        grad_scale=layer.grad_scale.value.clone(),
-        grad_amax_history=layer.grad_amax_history.value.clone(),
+        grad_scale=grad_scale,
+        grad_amax_history=grad_history,
     )
-    pending = layer._raw_value(layer.grad_amax_pending)
+    sink = pending.requires_grad and torch.is_grad_enabled()
     y = torch_ops.fp8_linear(
         x,
         kernel,
         None if bias is None else bias.value,
         state=state,
         fp8_format=recipe.fp8_format,
-        scaling=recipe.name,
+        scaling="delayed",
         margin=float(recipe.margin),
-        amax_compute_algo=getattr(recipe, "amax_compute_algo", "max"),
+        amax_compute_algo=recipe.amax_compute_algo,
         weight_layout="in_out",
         training=bool(training),
-        grad_amax_sink=pending[0] if pending.requires_grad else None,
+        grad_amax_sink=pending[0] if sink else None,
         min_gemm_size=min_gemm_size,
     )
-    if not pending.requires_grad:
+    if not sink:
         return y
-    return _EmitToken.apply(y, pending, token.detach())
+    if token is None:
+        token = torch.zeros((), dtype=torch.float32, device=x.device)
+    return _EmitToken.apply(y, pending, token)
 
 
 def fp8_matmul(

@@ -1,0 +1,159 @@
+"""fold_pending_grad_amax: the reference against NumPy float32 arithmetic (CPU),
+and the CUDA kernel against the reference, bit for bit (FP8 GPU only)."""
+
+import numpy as np
+import pytest
+import torch
+from absl.testing import parameterized
+
+import torch_ops
+from torch_ops.fold import FOLD_COUNT_PERIOD
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+F32 = np.float32
+needs_kernels = pytest.mark.skipif(
+    not torch_ops.is_available(), reason=f"torch_ops kernels unavailable: {torch_ops.unavailable_reason()}"
+)
+
+
+def numpy_fold(pending, fold_state, history, scale, fmt_max, margin, algo, window, update_scale):
+    """Independent float32 reference (the meaning in torch_ops/fold.py)."""
+    amax, token, loss_scale = (F32(v) for v in pending)
+    folds, last_token, last_loss_scale = (F32(v) for v in fold_state)
+    history = np.array(history, dtype=F32)
+    scale = F32(scale)
+    rescale = F32(1)
+    if loss_scale > 0 and last_loss_scale > 0:
+        rescale = F32(loss_scale / max(last_loss_scale, F32(1e-30)))
+    history = (history * rescale).astype(F32)
+    scale = F32(scale * rescale)
+    fresh = token > 0 and token != last_token
+    if fresh and np.isfinite(amax) and amax > 0:
+        history = np.concatenate([[amax], history[:-1]]).astype(F32)
+    if update_scale:
+        w = history[0] if algo == "most_recent" else history[:window].max()
+        if fresh and np.isfinite(w) and w > 0:
+            scale = F32(F32(w * F32(1.0 / fmt_max)) * F32(2.0 ** -margin))
+    new_folds = F32((folds + 1) % FOLD_COUNT_PERIOD) if fresh else folds
+    state = np.array(
+        [new_folds, token if fresh else last_token, loss_scale if loss_scale > 0 else last_loss_scale], F32
+    )
+    return F32(new_folds + 1), scale, history, state
+
+
+def random_case(rng, H):
+    history = (rng.random(H, dtype=F32) * 10.0 ** rng.integers(-3, 4)).astype(F32)
+    history[rng.random(H) < 0.2] = 0
+    amax = F32(rng.choice([0.0, np.inf, np.nan, rng.random() * 100, rng.random() * 1e-3, 5e4]))
+    last_token = F32(rng.integers(0, 4))
+    token = F32(rng.choice([0, last_token, rng.integers(1, 6)]))
+    last_ls = F32(rng.choice([0.0, 2.0 ** rng.integers(-2, 16)]))
+    ls = F32(rng.choice([0.0, last_ls, 2.0 ** rng.integers(-2, 16)]))
+    folds = F32(rng.choice([0.0, 3.0, FOLD_COUNT_PERIOD - 1]))
+    scale = F32(rng.random() * 0.01 + 1e-6)
+    return [amax, token, ls], [folds, last_token, last_ls], history, scale
+
+
+class FoldReferenceTest(parameterized.TestCase):
+    @parameterized.product(
+        fp8_dtype=[E4M3, E5M2], algo=["max", "most_recent"], margin=[0.0, 2.0], update_scale=[True, False]
+    )
+    def test_matches_numpy(self, fp8_dtype, algo, margin, update_scale):
+        rng = np.random.default_rng(0)
+        fmt_max = 448.0 if fp8_dtype == E4M3 else 57344.0
+        for case in range(60):
+            H = int(rng.choice([1, 2, 17, 64]))
+            window = int(rng.integers(1, H + 3))
+            pending, fold_state, history, scale = random_case(rng, H)
+            want = numpy_fold(pending, fold_state, history, scale, fmt_max, margin, algo, min(window, H),
+                              update_scale)
+            p = torch.tensor(pending)
+            fs, h, s = torch.tensor(fold_state), torch.tensor(history), torch.tensor(scale)
+            token, s_snap, h_snap = torch_ops.fold_pending_grad_amax(
+                p, fs, h, s, fp8_dtype, margin=margin, amax_compute_algo=algo, window=window,
+                update_scale=update_scale,
+            )
+            msg = f"case {case}: pending={pending} fold_state={fold_state}"
+            np.testing.assert_array_equal(token.numpy(), want[0], err_msg=msg)
+            np.testing.assert_array_equal(s.numpy(), want[1], err_msg=msg)
+            np.testing.assert_array_equal(s_snap.numpy(), want[1], err_msg=msg)
+            np.testing.assert_array_equal(h.numpy(), want[2], err_msg=msg)
+            np.testing.assert_array_equal(h_snap.numpy(), want[2], err_msg=msg)
+            np.testing.assert_array_equal(fs.numpy(), want[3], err_msg=msg)
+
+    def test_snapshots_are_copies(self):
+        fs, h, s = torch.zeros(3), torch.zeros(4), torch.ones(())
+        _, s_snap, h_snap = torch_ops.fold_pending_grad_amax(torch.tensor([2.0, 1.0, 0.0]), fs, h, s, E5M2)
+        torch_ops.fold_pending_grad_amax(torch.tensor([8.0, 2.0, 0.0]), fs, h, s, E5M2)
+        self.assertEqual(float(h_snap[0]), 2.0)
+        self.assertEqual(float(h[0]), 8.0)
+        self.assertNotEqual(float(s_snap), float(s))
+
+    def test_registered_op_matches(self):
+        args = (torch.tensor([2.0, 1.0, 0.0]), torch.zeros(3), torch.zeros(4), torch.ones(()))
+        copies = [t.clone() for t in args]
+        a = torch_ops.fold_pending_grad_amax(*args, E5M2)
+        b = torch.ops.torch_ops.fold_grad_amax(*copies, float(np.float32(1 / 57344)), 1.0, "max", 4, True)
+        for x, y in zip(a + args[1:], b + tuple(copies[1:])):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+    @parameterized.named_parameters(
+        ("pending", dict(pending=torch.zeros(2)), "pending"),
+        ("fold_state", dict(fold_state=torch.zeros(3, dtype=torch.float64)), "fold_state"),
+        ("history", dict(amax_history=torch.zeros(2, 2)), "amax_history"),
+        ("scale", dict(scale=torch.ones(2)), "scale"),
+        ("algo", dict(amax_compute_algo="mean"), "amax_compute_algo"),
+        ("window", dict(window=0), "window"),
+    )
+    def test_bad_arguments(self, override, name):
+        kwargs = dict(pending=torch.zeros(3), fold_state=torch.zeros(3), amax_history=torch.zeros(4),
+                      scale=torch.ones(()), fp8_dtype=E5M2)
+        kwargs.update(override)
+        with self.assertRaisesRegex(ValueError, name):
+            torch_ops.fold_pending_grad_amax(**kwargs)
+
+
+@needs_kernels
+class FoldKernelTest(parameterized.TestCase):
+    @parameterized.product(
+        fp8_dtype=[E4M3, E5M2], algo=["max", "most_recent"], update_scale=[True, False], H=[1, 17, 1024, 3001]
+    )
+    def test_kernel_equals_reference(self, fp8_dtype, algo, update_scale, H):
+        rng = np.random.default_rng(H)
+        for case in range(25):
+            window = int(rng.integers(1, H + 3))
+            margin = float(rng.choice([0.0, 1.0, 3.0]))
+            pending, fold_state, history, scale = random_case(rng, H)
+            cpu = [torch.tensor(pending), torch.tensor(fold_state), torch.tensor(history), torch.tensor(scale)]
+            gpu = [t.cuda() for t in cpu]
+            kw = dict(margin=margin, amax_compute_algo=algo, window=window, update_scale=update_scale)
+            want = torch_ops.fold_pending_grad_amax(*cpu, fp8_dtype, **kw)
+            torch.cuda.empty_cache()
+            torch.empty(1 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # poison small outputs
+            got = torch_ops.fold_pending_grad_amax(*gpu, fp8_dtype, **kw)
+            msg = f"case {case}: pending={pending} fold_state={fold_state} window={window}"
+            for g, w in zip(got + tuple(gpu[1:]), want + tuple(cpu[1:])):
+                np.testing.assert_array_equal(g.cpu().numpy(), w.numpy(), err_msg=msg)
+
+    def test_repeated_folds_and_cuda_graph(self):
+        h, s, fs = torch.zeros(16, device="cuda"), torch.ones((), device="cuda"), torch.zeros(3, device="cuda")
+        pending = torch.zeros(3, device="cuda")
+        ref = [torch.zeros(16), torch.ones(()), torch.zeros(3)]
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            torch_ops.fold_pending_grad_amax(torch.zeros(3, device="cuda"), torch.zeros(3, device="cuda"),
+                                             torch.zeros(16, device="cuda"), torch.ones((), device="cuda"), E5M2)
+            with torch.cuda.graph(graph):
+                torch_ops.fold_pending_grad_amax(pending, fs, h, s, E5M2)
+        torch.cuda.current_stream().wait_stream(stream)
+        for step in range(1, 6):
+            pending.copy_(torch.tensor([float(step) * 3.0, float(step), 0.0]))
+            graph.replay()
+            torch_ops.fold_pending_grad_amax(pending.cpu(), ref[2], ref[0], ref[1], E5M2)
+        torch.cuda.synchronize()
+        for g, w in zip((h, s, fs), ref):
+            np.testing.assert_array_equal(g.cpu().numpy(), w.numpy())
+        self.assertEqual(h[:5].tolist(), [15.0, 12.0, 9.0, 6.0, 3.0])
