@@ -299,10 +299,15 @@ def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
 # On plain tensors outside torch.compile we call the implementations directly;
 # under torch.compile (or on fake/functional tensors while a graph is traced)
 # the registered ops are used, so graphs still see them.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain(*ts) -> bool:
     if torch.compiler.is_compiling():
         return False
-    return all(t is None or type(t) is torch.Tensor for t in ts)
+    # Parameters (Keras torch variables are ones) are plain storage too; any
+    # other subclass (fake, functional, ...) takes the registered op.
+    return all(t is None or type(t) in _PLAIN_TYPES for t in ts)
 
 
 def quantize(x, scale, fp8_dtype, transpose, pad, write_q):
