@@ -112,26 +112,34 @@ def bench_jax(layer, m, k, n, iters):
 
 
 def host_overhead_torch(iters=200):
-    """Host microseconds per call: Keras FP8Dense vs raw torch_ops.fp8_linear."""
+    """Host microseconds per forward call (no synchronization, small shape).
+
+    Keras FP8Dense vs the raw torch_ops.fp8_linear call it makes, and for
+    reference Keras Dense bf16 vs torch's F.linear (Keras's own per-call cost).
+    """
     import torch
+    import torch.nn.functional as F
     import torch_ops
 
     m = k = n = 256
     layer = keras_fp8.layers.FP8Dense(n, use_bias=False, dtype="fp8_hybrid", min_gemm_size=0)
     layer.build((None, k))
+    dense = make_layer("bf16", k, n)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     state = torch_ops.FP8LinearState.create(1024, device="cuda")
     w = layer.kernel.value.detach()
+    w_bf16 = w.to(torch.bfloat16).t().contiguous()
 
-    def keras_call():
-        layer(x, training=True)
-
-    def raw_call():
-        torch_ops.fp8_linear(x, w, state=state, weight_layout="in_out", min_gemm_size=0)
-
+    calls = {
+        "keras": lambda: layer(x, training=True),
+        "raw": lambda: torch_ops.fp8_linear(
+            x, w, state=state, weight_layout="in_out", min_gemm_size=0),
+        "keras_dense": lambda: dense(x, training=True),
+        "linear": lambda: F.linear(x, w_bf16),
+    }
     result = {}
     with torch.no_grad():
-        for name, fn in (("keras", keras_call), ("raw", raw_call)):
+        for name, fn in calls.items():
             for _ in range(20):
                 fn()
             torch.cuda.synchronize()
@@ -178,7 +186,9 @@ def main():
             host = host_overhead_torch()
             print(f"\nhost us/call: Keras FP8Dense {host['keras']:.1f}, raw "
                   f"torch_ops.fp8_linear {host['raw']:.1f}, added "
-                  f"{host['keras'] - host['raw']:.1f}")
+                  f"{host['keras'] - host['raw']:.1f}; Keras Dense bf16 "
+                  f"{host['keras_dense']:.1f} vs F.linear {host['linear']:.1f}, "
+                  f"added {host['keras_dense'] - host['linear']:.1f}")
         except Exception as e:
             print(f"host overhead: FAILED {type(e).__name__}: {e}")
     print("\n### summary")

@@ -80,7 +80,7 @@ def keras_model(args):
     model.compile(
         optimizer=keras.optimizers.AdamW(1e-4),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=args.jit,
+        jit_compile={"auto": "auto", "true": True, "false": False}[args.jit],
     )
     return model
 
@@ -150,7 +150,7 @@ def run_torch(args):
         convert_to_float8_training(
             model, module_filter_fn=lambda mod, fqn: fqn != "lm_head"
         )
-    if args.torchao or args.jit:
+    if args.torchao or args.jit == "true":
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x, y = data(args)
@@ -169,12 +169,13 @@ def run_torch(args):
     return stamps, losses
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--stack", choices=["keras", "torch"], default="keras")
     parser.add_argument("--policy", default="fp8_hybrid")
     parser.add_argument("--torchao", action="store_true")
-    parser.add_argument("--jit", action="store_true")
+    parser.add_argument("--jit", nargs="?", const="true", default="auto",
+                        choices=["auto", "true", "false"])
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--mlp", type=int, default=14336)
     parser.add_argument("--heads", type=int, default=32)
@@ -184,7 +185,11 @@ def main():
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     start = time.perf_counter()
     stamps, losses = (run_keras if args.stack == "keras" else run_torch)(args)
     steps = np.diff(stamps[args.warmup - 1:]) * 1e3

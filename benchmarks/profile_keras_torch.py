@@ -1,0 +1,68 @@
+"""Where a Keras-torch training step spends its GPU time (torch.profiler).
+
+    KERAS_BACKEND=torch python benchmarks/profile_keras_torch.py --policy fp8_hybrid
+
+Builds the decoder of benchmarks/model.py (same flags), trains a few warm-up
+steps with model.fit, then profiles --steps more and prints: the kernels with
+the most CUDA time, GPU busy time against wall time per step (a GPU that waits
+for the host shows as busy < wall), and the host-synchronizing calls counted
+by `torch.cuda.set_sync_debug_mode("warn")`.
+"""
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import model as model_bench  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--policy", default="fp8_hybrid")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--top", type=int, default=30)
+    args, rest = parser.parse_known_args()
+    import keras
+    import torch
+
+    margs = model_bench.parse_args(rest + ["--policy", args.policy, "--warmup", "3", "--steps", str(args.steps)])
+    model = model_bench.keras_model(margs)
+    x, y = model_bench.data(margs)
+    n = margs.batch
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model.fit(x[: 3 * n], y[: 3 * n], batch_size=n, epochs=1, shuffle=False, verbose=0)
+    sync()
+    xs, ys = x[3 * n: (3 + args.steps) * n], y[3 * n: (3 + args.steps) * n]
+    if cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]
+            + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        ) as prof:
+            t0 = time.perf_counter()
+            model.fit(xs, ys, batch_size=n, epochs=1, shuffle=False, verbose=0)
+            sync()
+            wall = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    events = prof.key_averages()
+    total_cuda_us = sum(e.self_device_time_total for e in events)
+    print(f"# {keras.backend.backend()} {args.policy}: {args.steps} profiled steps, wall "
+          f"{1e3 * wall / args.steps:.1f} ms/step (profiler on), GPU busy "
+          f"{total_cuda_us / 1e3 / args.steps:.1f} ms/step")
+    print(f"host-synchronizing calls: {len(syncs)}")
+    for s in sorted(set(syncs))[:10]:
+        print("  sync:", s[:160])
+    print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
