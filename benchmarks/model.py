@@ -13,6 +13,15 @@ model.fit; `--stack torch` is the same network in plain PyTorch (bf16
 autocast, fused AdamW, optionally torchao float8 tensorwise + torch.compile).
 Prints ms/step (median over the timed steps) and the loss of every step, as
 one `RESULT` line (JSON) for the side-by-side table.
+
+`--jit` (default `auto`): Keras's own default, i.e. `model.fit` is one XLA
+program under JAX and eager under torch; `--jit` alone also compiles the
+plain-torch stack with torch.compile. (An earlier version passed
+`jit_compile=False` to Keras by default, which runs JAX op by op: the
+420 ms/step of the first JAX runs.) `--attention auto|flash|xla` is Keras's
+`flash_attention` argument (None/True/False); `auto` gives cuDNN flash
+attention on a GPU for bf16 inputs. `benchmarks/jax_step.py` reports what the
+JAX train step compiles to.
 """
 
 import argparse
@@ -52,7 +61,9 @@ def keras_model(args):
             b, s = ops.shape(x)[0], ops.shape(x)[1]
             qkv = ops.reshape(self.qkv(x), (b, s, 3, self.heads, self.hidden // self.heads))
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-            a = ops.dot_product_attention(q, k, v, is_causal=True)
+            a = ops.dot_product_attention(
+                q, k, v, is_causal=True, flash_attention=flash
+            )
             return self.out(ops.reshape(a, (b, s, self.hidden)))
 
     class SwiGLU(keras.layers.Layer):
@@ -65,6 +76,9 @@ def keras_model(args):
         def call(self, x):
             return self.down(ops.silu(self.gate(x)) * self.up(x))
 
+    # None: Keras decides (cuDNN flash attention on a GPU for bf16 inputs,
+    # the XLA/torch SDPA path otherwise); True raises where flash can't run.
+    flash = {"auto": None, "flash": True, "xla": False}[args.attention]
     keras.mixed_precision.set_global_policy(args.policy)
     keras.utils.set_random_seed(0)
     tokens = keras.Input((args.seq,), dtype="int32")
@@ -176,6 +190,8 @@ def parse_args(argv=None):
     parser.add_argument("--torchao", action="store_true")
     parser.add_argument("--jit", nargs="?", const="true", default="auto",
                         choices=["auto", "true", "false"])
+    parser.add_argument("--attention", default="auto",
+                        choices=["auto", "flash", "xla"])
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--mlp", type=int, default=14336)
     parser.add_argument("--heads", type=int, default=32)
@@ -204,6 +220,8 @@ def main():
         "stack": label, "ms_per_step": ms,
         "tok_per_s": args.batch * args.seq / ms * 1e3,
         "losses": losses, "wall_s": time.perf_counter() - start,
+        # Process start to the end of step 1: build + compile + one step.
+        "first_step_s": stamps[0] - start,
     }
     print("RESULT " + json.dumps(result))
 
