@@ -143,6 +143,15 @@ def run_shape(M, K, N, iters, use_torchao):
     t_ours = bench(fwd_bwd(ours, x, gy), iters)
     small = M * N * K < torch_ops.DEFAULT_MIN_GEMM_SIZE
     rows.append((f"torch_ops.fp8_linear, default ({'bf16 GEMMs' if small else 'FP8 GEMMs'})", t_ours))
+    if small:  # host-time comparison: the same call without the C++ fast path
+        from torch_ops import linear as _lin
+
+        _lin.FAST_PATH = False
+        try:
+            rows.append(("torch_ops.fp8_linear, default, Python path (no C++ fast path)",
+                         bench(fwd_bwd(OursLinear(lin), x, gy), iters)))
+        finally:
+            _lin.FAST_PATH = True
     # Same steps replayed from CUDA graphs: GPU time without host overhead.
     t_bf16_g = t_ours_g = None
     try:

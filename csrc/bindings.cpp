@@ -15,6 +15,9 @@ void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, cons
                         double mdiv, bool skip_zero);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                  const std::vector<at::Tensor>& state, int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo,
+                  bool in_out, bool training, const c10::optional<at::Tensor>& sink, int64_t min_gemm_size);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state,
                                                               const at::Tensor& history, const at::Tensor& scale,
                                                               double inv_max, double mdiv, int algo,
@@ -124,6 +127,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x, prev_scale, fmt, mdiv, transpose, pad, write_q -> (q, qt, scale_used, amax)");
   m.def("record_amax", &record_amax, "history, scale, amax, fmt, mdiv, algo, skip_zero");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
+  m.def("linear", &torch_ops::linear,
+        "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out");
   m.def("fold_grad_amax", &torch_ops::fold_grad_amax,
         "pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale -> (token, scale, history)");
 }

@@ -15,6 +15,8 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 
@@ -62,9 +64,11 @@ at::Tensor prepare_operand(const at::Tensor& t, long long Kp) {
   return u.contiguous().view(t.scalar_type());
 }
 
+struct Descs;
 struct Plan {
   cublasLtMatmulAlgo_t algo;
   bool bias_fused;
+  std::shared_ptr<Descs> ds;  // kept per shape: only the pointers change per call
 };
 
 // Plan cache key: plain integers (no iostreams in this library: an
@@ -81,6 +85,19 @@ struct KeyHash {
 std::mutex g_mu;
 std::unordered_map<Key, Plan, KeyHash> g_plans;
 std::unordered_map<int, cublasLtHandle_t> g_handles;
+// cuBLASLt workspace, one per (device, stream) and kept (as PyTorch does for
+// its cuBLAS workspaces): no allocation per call. GEMMs on one stream run in
+// order; another stream gets its own.
+std::map<std::pair<int, cudaStream_t>, at::Tensor> g_workspaces;
+
+void* lt_workspace(const at::Tensor& like, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto key = std::make_pair((int)like.get_device(), stream);
+  auto it = g_workspaces.find(key);
+  if (it == g_workspaces.end())
+    it = g_workspaces.emplace(key, at::empty({(long long)kWorkspaceBytes}, like.options().dtype(at::kByte))).first;
+  return it->second.data_ptr();
+}
 
 // Our own cuBLASLt handle per device (created with the cuBLASLt this
 // extension links), rather than torch's cuBLAS handle reinterpreted: the two
@@ -210,16 +227,17 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
     for (int attempt = 0; attempt < 2 && !have; ++attempt) {
       const bool fused = want_bias_fused && attempt == 0;
       if (attempt == 1 && !want_bias_fused) break;
-      Descs ds;
-      make_descs(ds, ta, tb, td, M, N, Kp, lda, ldb, ldd, fast_accum, sa, sb, fused ? bias->data_ptr() : nullptr,
+      auto ds = std::make_shared<Descs>();
+      make_descs(*ds, ta, tb, td, M, N, Kp, lda, ldb, ldd, fast_accum, sa, sb, fused ? bias->data_ptr() : nullptr,
                  tbias);
       cublasLtMatmulHeuristicResult_t res;
       int count = 0;
       cublasStatus_t st =
-          cublasLtMatmulAlgoGetHeuristic(handle, ds.op, ds.a, ds.b, ds.d, ds.d, ds.pref, 1, &res, &count);
+          cublasLtMatmulAlgoGetHeuristic(handle, ds->op, ds->a, ds->b, ds->d, ds->d, ds->pref, 1, &res, &count);
       if (st == CUBLAS_STATUS_SUCCESS && count > 0) {
         plan.algo = res.algo;
         plan.bias_fused = fused;
+        plan.ds = ds;
         have = true;
       }
     }
@@ -231,15 +249,27 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
     g_plans[key] = plan;
   }
 
-  Descs ds;
-  make_descs(ds, ta, tb, td, M, N, Kp, lda, ldb, ldd, fast_accum, sa, sb,
-             plan.bias_fused ? bias->data_ptr() : nullptr, tbias);
-  at::Tensor ws = at::empty({(long long)kWorkspaceBytes}, a.options().dtype(at::kByte));
   const float alpha = 1.0f, beta = 0.0f;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  TORCH_OPS_CUBLAS_CHECK(cublasLtMatmul(handle, ds.op, &alpha, b.data_ptr(), ds.a, a.data_ptr(), ds.b, &beta,
-                                        out.data_ptr(), ds.d, out.data_ptr(), ds.d, &plan.algo, ws.data_ptr(),
-                                        kWorkspaceBytes, stream));
+  void* ws = lt_workspace(a, stream);
+  {
+    // The cached descriptor is shared by every call of this shape: set this
+    // call's scale and bias pointers and enqueue under the lock.
+    std::lock_guard<std::mutex> lk(g_mu);
+    Descs& ds = *plan.ds;
+    TORCH_OPS_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
+    TORCH_OPS_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
+    if (plan.bias_fused) {
+      const void* bp = bias->data_ptr();
+      TORCH_OPS_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+    }
+    TORCH_OPS_CUBLAS_CHECK(cublasLtMatmul(handle, ds.op, &alpha, b.data_ptr(), ds.a, a.data_ptr(), ds.b, &beta,
+                                          out.data_ptr(), ds.d, out.data_ptr(), ds.d, &plan.algo, ws,
+                                          kWorkspaceBytes, stream));
+  }
   if (Np != N) out = out.narrow(1, 0, N).contiguous();
   if (bias.has_value() && !plan.bias_fused) out.add_(bias->to(od));
   return out;

@@ -17,7 +17,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "common.h"
 
@@ -108,7 +111,7 @@ struct Raw8 {
 };
 
 struct Finalize {
-  unsigned* ws;            // [0] amax bits, [1] block counter (zeroed by the host per call)
+  unsigned* ws;            // [0] amax bits, [1] block counter (zero before the launch; the last block resets them)
   float* amax_out;         // 0-d, may be null
   float* history;          // null: do not record
   long long H;
@@ -193,13 +196,13 @@ __device__ void record_in_block(float amax, const Finalize& f, unsigned* smem) {
 
 // Called by every block at its end with the block's amax bits (thread 0's
 // value is the block max). The last block finalizes.
-__device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem) {
+__device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem, unsigned nblocks) {
   __shared__ bool is_last;
   if (threadIdx.x == 0) {
     if (block_max) atomicMax(&f.ws[0], block_max);
     __threadfence();
     unsigned prev = atomicAdd(&f.ws[1], 1u);
-    is_last = (prev == gridDim.x * gridDim.y - 1);
+    is_last = (prev == nblocks - 1);
   }
   __syncthreads();
   if (!is_last) return;
@@ -323,7 +326,7 @@ __global__ void __launch_bounds__(kThreads) quant_flat_kernel(
     if (q) q[i] = (uint8_t)(q2<kE5M2>(e, 0.f, s) & 0xff);
   }
   unsigned bm = block_reduce_max(local, smem);
-  block_done(bm, f, smem);
+  block_done(bm, f, smem, gridDim.x);
 }
 
 // ---------------------------------------------------------------------------
@@ -431,7 +434,176 @@ __global__ void __launch_bounds__(kThreads, TR == 64 ? 4 : 3) quant_tile_kernel(
   }
   }  // tiles
   unsigned bm = block_reduce_max(local, smem);
-  block_done(bm, f, smem);
+  block_done(bm, f, smem, gridDim.x);
+}
+
+// ---------------------------------------------------------------------------
+// Tile kernel, v2 (default): the same 64 x 128 tiles and outputs as
+// quant_tile_kernel, arranged for the transposed store. Each thread owns
+// 4 consecutive rows x 8 columns: it turns its four 8-byte fp8 rows into
+// eight 4-byte columns in registers (byte permutes), stores them as words
+// into a column-major shared tile (128 rows of qt x 64 bytes, 16-byte chunks
+// XOR-swizzled against bank conflicts), and the qt tile leaves as 16-byte
+// chunks with 4 consecutive lanes per 64-byte row segment (coalesced).
+__device__ __forceinline__ void transpose4x4(unsigned a, unsigned b, unsigned c, unsigned d, unsigned* w) {
+  // a..d: 4 bytes (columns 0..3) of rows 0..3; w[i]: column i, row 0 in the low byte.
+  const unsigned t0 = __byte_perm(a, b, 0x5140);  // a0 b0 a1 b1
+  const unsigned t1 = __byte_perm(a, b, 0x7362);  // a2 b2 a3 b3
+  const unsigned t2 = __byte_perm(c, d, 0x5140);  // c0 d0 c1 d1
+  const unsigned t3 = __byte_perm(c, d, 0x7362);  // c2 d2 c3 d3
+  w[0] = __byte_perm(t0, t2, 0x5410);  // a0 b0 c0 d0
+  w[1] = __byte_perm(t0, t2, 0x7632);  // a1 b1 c1 d1
+  w[2] = __byte_perm(t1, t3, 0x5410);
+  w[3] = __byte_perm(t1, t3, 0x7632);
+}
+
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kThreads, 4) quant_tile2_kernel(
+    const T* __restrict__ x, long long R, long long C, bool vec, uint8_t* __restrict__ q, long long ldq,
+    uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
+  constexpr int TR = 64;
+  __shared__ unsigned smem[32];
+  // qt tile: kTileC rows of TR bytes = 16 words; chunk k (rows 16k..16k+15 of
+  // x) of qt row cc sits at chunk position k ^ ((cc >> 3) & 3).
+  __shared__ __align__(16) unsigned tile_t[kTileC * (TR / 4)];
+  const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
+  unsigned local = 0u;
+  const int lv = threadIdx.x & 15;  // 8-column group of the tile
+  const int g = threadIdx.x >> 4;   // 4-row group of the tile (0..15)
+  const long long ntx = (ext_c + kTileC - 1) / kTileC;
+  const long long ntiles = ntx * ((ext_r + TR - 1) / TR);
+  for (long long tile_id = blockIdx.x; tile_id < ntiles; tile_id += gridDim.x) {
+    const long long r0 = (tile_id / ntx) * TR;
+    const long long c0 = (tile_id % ntx) * kTileC;
+    const long long c = c0 + lv * 8;
+    Raw8<T> raw[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const long long r = r0 + 4 * g + j;
+      if (vec && r < R && c + 8 <= C) {
+        raw[j].load(x + r * C + c);
+      } else {
+        raw[j].zero();
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (r < R && c + i < C) raw[j].t[i] = x[r * C + c + i];
+      }
+    }
+    uint2 o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const long long r = r0 + 4 * g + j;
+      float e[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) e[i] = to_f32(raw[j].t[i]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[i]));
+      o[j].x = (unsigned)q2<kE5M2>(e[0], e[1], s) | ((unsigned)q2<kE5M2>(e[2], e[3], s) << 16);
+      o[j].y = (unsigned)q2<kE5M2>(e[4], e[5], s) | ((unsigned)q2<kE5M2>(e[6], e[7], s) << 16);
+      // Elements outside x are padding: exact zero bytes, whatever the scale.
+      if (!(r < R && c + 8 <= C)) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (!(r < R && c + i < C)) {
+            if (i < 4) o[j].x &= ~(0xffu << (8 * i));
+            else o[j].y &= ~(0xffu << (8 * (i - 4)));
+          }
+        }
+      }
+      if (q && r < R) {
+        if (c + 8 <= ldq && (ldq & 7) == 0) {
+          *reinterpret_cast<uint2*>(q + r * ldq + c) = o[j];
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            if (c + i < ldq) q[r * ldq + c + i] = (uint8_t)(((i < 4 ? o[j].x : o[j].y) >> (8 * (i & 3))) & 0xffu);
+        }
+      }
+    }
+    if (qt) {
+      unsigned w[8];
+      transpose4x4(o[0].x, o[1].x, o[2].x, o[3].x, w);
+      transpose4x4(o[0].y, o[1].y, o[2].y, o[3].y, w + 4);
+      const int k = g >> 2, jw = g & 3;  // chunk and word of rows 4g..4g+3
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int cc = lv * 8 + i;
+        tile_t[cc * (TR / 4) + 4 * (k ^ ((cc >> 3) & 3)) + jw] = w[i];
+      }
+      __syncthreads();
+      // kTileC rows x 4 chunks = 512 chunks, 2 per thread, 4 lanes per row.
+#pragma unroll
+      for (int it = 0; it < (kTileC * (TR / 16)) / kThreads; ++it) {
+        const int slot = threadIdx.x + it * kThreads;
+        const int cc = slot >> 2;                   // qt row within the tile
+        const int kp = slot & 3;                    // chunk position in shared memory
+        const int kl = kp ^ ((cc >> 3) & 3);        // logical chunk: x rows r0 + 16 kl ..
+        const long long orow = c0 + cc;
+        const long long ocol = r0 + 16 * kl;
+        if (orow < C) {
+          const uint4 v = *reinterpret_cast<const uint4*>(&tile_t[cc * (TR / 4) + 4 * kp]);
+          if (ocol + 16 <= ldqt && (ldqt & 15) == 0) {
+            *reinterpret_cast<uint4*>(qt + orow * ldqt + ocol) = v;
+          } else {
+            const unsigned wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+              if (ocol + i < ldqt) qt[orow * ldqt + ocol + i] = (uint8_t)((wv[i >> 2] >> (8 * (i & 3))) & 0xffu);
+          }
+        }
+      }
+      __syncthreads();  // the next tile reuses the shared tile
+    }
+  }  // tiles
+  unsigned bm = block_reduce_max(local, smem);
+  block_done(bm, f, smem, gridDim.x);
+}
+
+// ---------------------------------------------------------------------------
+// Amax + history/scale update of two tensors in one launch (no fp8 output):
+// blockIdx.y picks the job, each job has its own workspace and last block.
+// The state updates of fp8_linear's small-GEMM path (x and weight).
+struct AmaxJob {
+  const void* x;
+  long long n;
+  int dtype;  // 0 bf16, 1 fp16, 2 fp32
+  int vec;
+  Finalize f;
+};
+
+template <typename T>
+__device__ __forceinline__ unsigned amax_part(const T* __restrict__ x, long long n, bool vec) {
+  unsigned local = 0u;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  long long start = 0;
+  if (vec) {
+    const long long nv = n / 8;
+    for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < nv; v += stride) {
+      float e[8];
+      Vec8<T>::load(x + v * 8, e);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[i]));
+    }
+    start = nv * 8;
+  }
+  for (long long i = start + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    local = max(local, abs_bits(to_f32(x[i])));
+  return local;
+}
+
+__device__ __forceinline__ void amax_record_job(const AmaxJob& j, unsigned* smem) {
+  unsigned local;
+  if (j.dtype == 0) local = amax_part(static_cast<const __nv_bfloat16*>(j.x), j.n, j.vec);
+  else if (j.dtype == 1) local = amax_part(static_cast<const __half*>(j.x), j.n, j.vec);
+  else local = amax_part(static_cast<const float*>(j.x), j.n, j.vec);
+  unsigned bm = block_reduce_max(local, smem);
+  block_done(bm, j.f, smem, gridDim.x);
+}
+
+__global__ void __launch_bounds__(kThreads) amax_record2_kernel(AmaxJob j0, AmaxJob j1) {
+  __shared__ unsigned smem[32];
+  if (blockIdx.y == 0) amax_record_job(j0, smem);
+  else amax_record_job(j1, smem);
 }
 
 __global__ void record_amax_kernel(const float* amax, Finalize f) {
@@ -455,6 +627,51 @@ int tile_rows() {
     return (e && std::string(e) == "128") ? 128 : 64;
   }();
   return tr;
+}
+
+// Transposing tile kernel: 2 (default, quant_tile2_kernel) or 1 (the
+// previous quant_tile_kernel); TORCH_OPS_QTILE_R=128 implies 1.
+int tile_version() {
+  static const int v = [] {
+    const char* e = std::getenv("TORCH_OPS_QTILE");
+    return (e && std::string(e) == "v1") ? 1 : 2;
+  }();
+  return tile_rows() == 128 ? 1 : v;
+}
+
+// Persistent workspace of the amax reductions, one per (device, stream):
+// zeroed once when created; every kernel that uses a slot pair leaves it zero
+// again (its last block resets it), so no memset per call. Kernels on one
+// stream run in order, so they can share it; another stream gets its own.
+// Under CUDA-graph capture each capture gets its own workspace, zeroed by a
+// memset captured into that graph at its first use (so once per replay, not
+// per call): a workspace first zeroed inside a graph that is never replayed
+// must not be used by anything else.
+// Slots: [0,1] pre-pass, [2,3] main kernel, [4,5] second job of the
+// two-job kernel, [8..9] float scratch (scale_used of state-only updates).
+constexpr int kWsWords = 16;
+struct Ws {
+  unsigned long long capture_id;  // 0: not captured
+  at::Tensor t;
+};
+std::mutex g_ws_mu;
+std::map<std::pair<int, cudaStream_t>, Ws> g_ws;
+
+unsigned* workspace(const at::Tensor& like, cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  TORCH_OPS_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id));
+  if (status != cudaStreamCaptureStatusActive) id = 0;
+  std::lock_guard<std::mutex> lk(g_ws_mu);
+  Ws& w = g_ws[std::make_pair((int)like.get_device(), stream)];
+  if (!w.t.defined() || w.capture_id != id) {
+    // at::zeros runs on the current stream (= stream): ordered before the
+    // first kernel that uses it (inside a capture: a node of that graph, the
+    // memory from the graph's pool).
+    w.t = at::zeros({kWsWords}, like.options().dtype(at::kInt));
+    w.capture_id = id;
+  }
+  return reinterpret_cast<unsigned*>(w.t.data_ptr<int>());
 }
 
 float fmax_of(int fmt) { return fmt == 1 ? 57344.0f : 448.0f; }
@@ -490,15 +707,16 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const float fmax = fmax_of(fmt);
   const float mdiv = (float)mdiv_d;
-  at::Tensor ws = at::zeros({4}, x.options().dtype(at::kInt));
-  unsigned* wsp = reinterpret_cast<unsigned*>(ws.data_ptr<int>());
+  unsigned* wsp = workspace(x, stream);
   const long long n = R * C;
   const bool vec = (C % 8 == 0) && ((reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0);
 
   const bool fused_seed = scale_mode != 0 && !q.defined() && !qt.defined();
   if (scale_mode != 0 && !fused_seed) {
+    // Delayed scaling with a non-empty history (every call after the first):
+    // each block only reads the history and exits, so keep the grid small.
     long long blocks = (n / 8 + kThreads - 1) / kThreads;
-    blocks = std::max<long long>(1, std::min<long long>(blocks, 4LL * num_sms()));
+    blocks = std::max<long long>(1, std::min<long long>(blocks, (scale_mode == 1 ? 2LL : 4LL) * num_sms()));
     const float* prev = scale_in.defined() ? scale_in.data_ptr<float>() : nullptr;
     const float* hist = scale_mode == 1 ? hist_for_empty.data_ptr<float>() : nullptr;
     const long long H = scale_mode == 1 ? hist_for_empty.numel() : 0;
@@ -544,6 +762,15 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       const long long ext_c = std::max<long long>(C, qp ? ldq : C);
       const long long ext_r = std::max<long long>(R, qtp ? ldqt : R);
       const int tr = tile_rows();
+      if (tile_version() == 2) {
+        const long long nt2 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
+        const unsigned nb2 = (unsigned)std::max<long long>(1, std::min<long long>(nt2, 4LL * num_sms()));
+        if (fmt == 1)
+          quant_tile2_kernel<T, true><<<nb2, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
+        else
+          quant_tile2_kernel<T, false><<<nb2, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
+        return;
+      }
       const long long ntiles = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + tr - 1) / tr);
       const long long blocks = std::max<long long>(1, std::min<long long>(ntiles, (tr == 64 ? 4LL : 3LL) * num_sms()));
       const unsigned nb = (unsigned)blocks;
@@ -560,6 +787,57 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       }
     }
   });
+  TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+}
+
+// Delayed-scaling state update of two tensors (fp8_linear's small path):
+// for each, amax -> scale_used (seeded iff the history is empty) -> history
+// shift -> next scale, exactly as quantize_delayed(record=True,
+// write_q=False, transpose=False), in one launch. x0/x1: contiguous CUDA
+// tensors (any shape) of bf16/fp16/fp32 on one device.
+void amax_record2_launch(const at::Tensor& x0, const at::Tensor& hist0, const at::Tensor& scale0,
+                         const at::Tensor& x1, const at::Tensor& hist1, const at::Tensor& scale1, int fmt, int algo,
+                         double mdiv_d) {
+  const at::cuda::CUDAGuard guard(x0.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  unsigned* wsp = workspace(x0, stream);
+  float* scratch = reinterpret_cast<float*>(wsp + 8);
+  AmaxJob jobs[2];
+  const at::Tensor* xs[2] = {&x0, &x1};
+  const at::Tensor* hs[2] = {&hist0, &hist1};
+  const at::Tensor* ss[2] = {&scale0, &scale1};
+  long long nmax = 1;
+  for (int i = 0; i < 2; ++i) {
+    const at::Tensor& x = *xs[i];
+    AmaxJob& j = jobs[i];
+    const auto t = x.scalar_type();
+    j.x = x.data_ptr();
+    j.n = x.numel();
+    j.dtype = t == at::kBFloat16 ? 0 : (t == at::kHalf ? 1 : 2);
+    TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kFloat,
+                "x: expected bfloat16, float16 or float32, got ", t);
+    j.vec = (reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0 ? 1 : 0;
+    nmax = std::max(nmax, j.n);
+    Finalize& f = j.f;
+    f.ws = wsp + 2 + 2 * i;
+    f.amax_out = nullptr;
+    f.history = hs[i]->data_ptr<float>();
+    f.H = hs[i]->numel();
+    f.scale_state = ss[i]->data_ptr<float>();
+    f.scale_used = scratch + i;
+    f.algo = algo;
+    f.fmax = fmax_of(fmt);
+    f.mdiv = (float)mdiv_d;
+    f.skip_zero = 0;
+    f.seed_mode = 1;
+    f.prev_scale = ss[i]->data_ptr<float>();
+    f.seed_history = hs[i]->data_ptr<float>();
+    f.seed_H = hs[i]->numel();
+    f.scale_used_out = scratch + i;
+  }
+  long long blocks = (nmax / 8 + kThreads - 1) / kThreads;
+  blocks = std::max<long long>(1, std::min<long long>(blocks, 4LL * num_sms()));
+  amax_record2_kernel<<<dim3((unsigned)blocks, 2), kThreads, 0, stream>>>(jobs[0], jobs[1]);
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -21,6 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import _build
 from . import _ops
 from . import emulation as emu
 
@@ -272,6 +273,59 @@ def _fp8_linear(ops, fn, x, weight, bias, state, fp8_format, scaling, margin, am
     return out.reshape(*lead, N)
 
 
+# Eager fast path: on plain CUDA tensors outside torch.compile, the whole
+# call (quantize launches, GEMMs, autograd Function with its backward) runs in
+# C++ (csrc/linear.cpp, the same kernels and state rules as _fp8_linear on
+# _KernelOps, which stays the path of torch.compile and tensor subclasses).
+# TORCH_OPS_LINEAR_FAST=0 turns it off (read at import).
+FAST_PATH = os.environ.get("TORCH_OPS_LINEAR_FAST", "1") not in ("0", "")
+_FMT_ID = {"hybrid": 1, "e4m3": 0}
+_SCALING_ID = {"delayed": 1, "current": 2}
+_ALGO_ID = {"max": 0, "most_recent": 1}
+_LAYOUT_ID = {"out_in": False, "in_out": True}
+_T, _P = torch.Tensor, torch.nn.Parameter
+_ext_cache = []
+
+
+def _ext():
+    """The compiled extension, or None where the kernels are unusable (cached)."""
+    if not _ext_cache:
+        _ext_cache.append(_build.load() if _build.is_available() else None)
+    return _ext_cache[0]
+
+
+def _fast(x, weight, bias, state, fp8_format, scaling, margin, amax_compute_algo, weight_layout, training,
+          grad_amax_sink, min_gemm_size):
+    """The C++ fast path's output, or None when the call must take the Python path
+    (not CUDA, kernels unusable, tensor subclasses, torch.compile, invalid
+    arguments: the Python path raises the errors)."""
+    if type(x) is not _T and type(x) is not _P:
+        return None
+    if not x.is_cuda or _ops.GEMM_BACKEND != "cublaslt" or torch.compiler.is_compiling():
+        return None
+    if type(state) is not FP8LinearState:
+        return None
+    fmt = _FMT_ID.get(fp8_format)
+    sc = _SCALING_ID.get(scaling)
+    algo = _ALGO_ID.get(amax_compute_algo)
+    in_out = _LAYOUT_ID.get(weight_layout)
+    if fmt is None or sc is None or algo is None or in_out is None:
+        return None
+    ts = (state.input_scale, state.input_amax_history, state.kernel_scale, state.kernel_amax_history,
+          state.grad_scale, state.grad_amax_history)
+    for t in (weight, bias, grad_amax_sink) + ts:
+        if t is not None and type(t) is not _T and type(t) is not _P:
+            return None
+    ext = _ext()
+    if ext is None:
+        return None
+    if min_gemm_size is None:
+        min_gemm_size = DEFAULT_MIN_GEMM_SIZE
+    # Tensor arguments are checked in C++ (same messages as _check).
+    return ext.linear(x, weight, bias, ts, fmt, sc, _ops._mdiv(margin), algo, in_out, bool(training),
+                      grad_amax_sink, int(min(min_gemm_size, 1 << 62)))
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -307,6 +361,20 @@ def fp8_linear(
         FP8 state is still updated); default DEFAULT_MIN_GEMM_SIZE
         (env TORCH_OPS_FP8_MIN_GEMM_SIZE).
     """
+    if FAST_PATH:
+        out = _fast(x, weight, bias, state, fp8_format, scaling, margin, amax_compute_algo, weight_layout,
+                    training, grad_amax_sink, min_gemm_size)
+        if out is not None:
+            return out
+    return _fp8_linear(_KernelOps, _KernelFn, x, weight, bias, state, fp8_format, scaling, margin,
+                       amax_compute_algo, weight_layout, training, grad_amax_sink, min_gemm_size)
+
+
+def fp8_linear_python(x, weight, bias=None, *, state, fp8_format="hybrid", scaling="delayed", margin=0.0,
+                      amax_compute_algo="max", weight_layout="out_in", training=True, grad_amax_sink=None,
+                      min_gemm_size=None):
+    """fp8_linear without the C++ fast path: the registered ops and a Python
+    autograd.Function (what torch.compile traces). For tests and benchmarks."""
     return _fp8_linear(_KernelOps, _KernelFn, x, weight, bias, state, fp8_format, scaling, margin,
                        amax_compute_algo, weight_layout, training, grad_amax_sink, min_gemm_size)
 

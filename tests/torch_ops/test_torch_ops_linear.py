@@ -188,3 +188,88 @@ class LinearKernelTest(parameterized.TestCase):
         st = torch_ops.FP8LinearState.create(4, device=DEV)
         with self.assertRaisesRegex(ValueError, "weight:"):
             torch_ops.fp8_linear(torch.randn(4, 8, device=DEV), torch.randn(4, 8), state=st)
+
+
+class LinearFastPathTest(parameterized.TestCase):
+    """The C++ eager entry point (csrc/linear.cpp, what fp8_linear runs on plain
+    CUDA tensors) against the Python path on the same kernels
+    (fp8_linear_python: bit-equal) and the emulation (state bit-equal)."""
+
+    @parameterized.product(
+        mkn=[(17, 9, 33), (300, 64, 48), (1000, 512, 300)],
+        layout=["out_in", "in_out"],
+        fmt=["hybrid", "e4m3"],
+        mgs=[0, 1 << 40],
+        scaling=["delayed", "current"],
+    )
+    def test_equals_python_path(self, mkn, layout, fmt, mgs, scaling):
+        from torch_ops.linear import fp8_linear_python
+
+        M, K, N = mkn
+        for seed, bias in ((0, True), (10, False)):
+            x, w, b, gy = make(M, K, N, layout, bias=bias, seed=seed)
+            st_f = torch_ops.FP8LinearState.create(8, device=DEV)
+            st_p = torch_ops.FP8LinearState.create(8, device=DEV)
+            for step in range(3):
+                poison()
+                got = run(torch_ops.fp8_linear, x * (step + 1), w, b, gy, st_f, weight_layout=layout,
+                          fp8_format=fmt, scaling=scaling, min_gemm_size=mgs)
+                ref = run(fp8_linear_python, x * (step + 1), w, b, gy, st_p, weight_layout=layout,
+                          fp8_format=fmt, scaling=scaling, min_gemm_size=mgs)
+                for name, g_, r_ in zip(("out", "dx", "dw", "db"), got, ref):
+                    if r_ is None:
+                        self.assertIsNone(g_, name)
+                        continue
+                    self.assertEqual((g_.dtype, g_.shape), (r_.dtype, r_.shape), name)
+                    self.assertTrue(torch.equal(g_, r_), f"{name} step {step}: relerr {relerr(g_, r_)}")
+                for u, v in zip(st_f.tensors(), st_p.tensors()):
+                    self.assertTrue(torch.equal(u, v), f"state step {step}")
+
+    @parameterized.parameters(0, 1 << 40)
+    def test_state_matches_emulation_keras_layout(self, mgs):
+        """bf16 x, float32 in_out kernel (the Keras layer's call), ragged shapes,
+        fresh data each step: the state equals the emulation's bit for bit."""
+        for (M, K, N) in ((4095, 129, 65), (64, 1000, 3)):
+            st_k = torch_ops.FP8LinearState.create(6, device=DEV)
+            st_e = torch_ops.FP8LinearState.create(6, device=DEV)
+            for step in range(3):
+                x, w, b, gy = make(M, K, N, "in_out", seed=100 + step)
+                got = run(torch_ops.fp8_linear, x, w, b, gy, st_k, weight_layout="in_out", min_gemm_size=mgs)
+                ref = run(emu.fp8_linear, x, w, b, gy, st_e, weight_layout="in_out")
+                for u, v in zip(st_k.tensors(), st_e.tensors()):
+                    self.assertTrue(torch.equal(u, v), f"{(M, K, N)} step {step}")
+                self.assertLess(relerr(got[0], ref[0]), 0.05 if mgs else TOL)
+
+    def test_sink_inference_and_no_grad(self):
+        from torch_ops.linear import fp8_linear_python
+
+        x, w, b, gy = make(300, 64, 48, lead=(3, 100))
+        for mgs in (0, 1 << 40):
+            outs = []
+            for f in (torch_ops.fp8_linear, fp8_linear_python):
+                st = torch_ops.FP8LinearState.create(8, device=DEV)
+                sink = torch.zeros((), device=DEV, requires_grad=True)
+                xx = x.clone().requires_grad_()
+                y = f(xx, w, b, state=st, grad_amax_sink=sink, min_gemm_size=mgs)
+                y.backward(gy)
+                with torch.no_grad():
+                    y2 = f(x, w, b, state=st, min_gemm_size=mgs)
+                y3 = f(x, w, b, state=st, training=False, min_gemm_size=mgs)
+                outs.append((y.detach(), xx.grad, sink.grad, y2, y3) + st.tensors())
+            self.assertEqual(outs[0][0].shape, (3, 100, 48))
+            self.assertEqual(outs[0][2].item(), gy.float().abs().max().item())
+            for u, v in zip(*outs):
+                self.assertTrue(torch.equal(u, v))
+
+    def test_bad_inputs_fast_path(self):
+        st = torch_ops.FP8LinearState.create(4, device=DEV)
+        x = torch.randn(4, 8, device=DEV)
+        with self.assertRaisesRegex(TypeError, "x:"):
+            torch_ops.fp8_linear(x.to(torch.int32), torch.randn(4, 8, device=DEV), state=st)
+        with self.assertRaisesRegex(ValueError, "weight:"):
+            torch_ops.fp8_linear(x, torch.randn(4, 7, device=DEV), state=st)
+        with self.assertRaisesRegex(ValueError, "bias:"):
+            torch_ops.fp8_linear(x, torch.randn(4, 8, device=DEV), torch.randn(5, device=DEV), state=st)
+        st.grad_amax_history = torch.zeros(4, device=DEV, dtype=torch.float64)
+        with self.assertRaisesRegex(ValueError, "state.grad_amax_history"):
+            torch_ops.fp8_linear(x, torch.randn(4, 8, device=DEV), state=st)
