@@ -96,7 +96,11 @@ fi
 
 if has lbench; then
   log "linear benchmark"
-  timeout ${LBENCH_TIMEOUT:-240} python3 benchmarks/linear.py ${LBENCH_ARGS:-} 2>&1 | tee "$OUT/bench_linear.txt" | grep -v "^|" | tail -20
+  # DEADLINE (seconds since start) caps the benchmark to what is left of the call.
+  LT=${LBENCH_TIMEOUT:-240}
+  if [ -n "${DEADLINE:-}" ]; then LT=$((DEADLINE - $(date +%s) + T0)); [ $LT -lt 20 ] && LT=20; fi
+  log "linear benchmark timeout ${LT}s"
+  timeout $LT python3 benchmarks/linear.py ${LBENCH_ARGS:-} 2>&1 | tee "$OUT/bench_linear.txt" | grep -v "^|" | tail -20
 fi
 
 echo
