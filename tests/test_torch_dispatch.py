@@ -215,3 +215,130 @@ class TorchDispatchTest(parameterized.TestCase):
         self.assertTrue(np.isfinite(h.history["loss"]).all())
         self.assertEqual(np.count_nonzero(to_numpy(model.layers[0].input_amax_history)), 16)
         model.predict(x, verbose=0)
+
+
+class _Dispatch:
+    """Forces the FP8 layers onto torch_ops (its emulation on CPU), and counts
+    the calls that went through Keras's generic `Layer.__call__`."""
+
+    def __enter__(self):
+        import torch_ops
+        from keras.src.layers.layer import Layer
+
+        from keras_fp8.backends import torch as torch_backend
+
+        self.generic_calls = 0
+        self._original_kernels_for = torch_backend._kernels_for
+        if not _fp8_gpu():
+            torch_backend._kernels_for = lambda t: torch_ops
+        self._original_call = Layer.__call__
+        original_call = self._original_call
+
+        def counting_call(layer, *args, **kwargs):
+            if isinstance(layer, (FP8Dense, FP8EinsumDense)):
+                self.generic_calls += 1
+            return original_call(layer, *args, **kwargs)
+
+        Layer.__call__ = counting_call
+        return self
+
+    def __exit__(self, *exc):
+        from keras.src.layers.layer import Layer
+
+        from keras_fp8.backends import torch as torch_backend
+
+        torch_backend._kernels_for = self._original_kernels_for
+        Layer.__call__ = self._original_call
+
+
+class FastCallTest(parameterized.TestCase):
+    """The eager fast path of FP8 layers' `__call__` (torch backend)."""
+
+    def _bf16(self, shape, seed):
+        import torch
+
+        return torch.tensor(rng_normal(shape, seed), device=_device()).bfloat16()
+
+    @parameterized.named_parameters(
+        ("dense", lambda: FP8Dense(24, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0), (16, 32)),
+        ("dense_bias_relu", lambda: FP8Dense(24, activation="relu", dtype="fp8_hybrid[history_len=4]",
+                                             min_gemm_size=0), (2, 8, 32)),
+    )
+    def test_fast_path_equals_keras_call(self, make, shape):
+        import torch
+
+        from keras_fp8.backends import torch as torch_backend
+
+        fast_layer, slow_layer = _clone_pair(make)
+        fast_layer.build(shape)
+        slow_layer.build(shape)
+        results = []
+        for layer, fast in ((fast_layer, True), (slow_layer, False)):
+            original = torch_backend.fast_layer_call
+            if not fast:
+                torch_backend.fast_layer_call = lambda *a: None
+            try:
+                with _Dispatch() as dispatch:
+                    outs = []
+                    for step in range(3):
+                        x = self._bf16(shape, step).requires_grad_()
+                        y = layer(x, training=True)
+                        y.float().square().sum().backward()
+                        layer.grad_amax_pending.assign(layer.grad_amax_pending.value.grad)
+                        outs += [to_numpy(y.detach().float()), to_numpy(x.grad.float()),
+                                 to_numpy(layer._kernel.value.grad)]
+                        for v in layer.trainable_variables:
+                            v.value.grad = None
+                    self.assertEqual(dispatch.generic_calls, 0 if fast else 3)
+            finally:
+                torch_backend.fast_layer_call = original
+            outs += [to_numpy(v) for v in layer.fp8_state_variables]
+            results.append(outs)
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+        del torch
+
+    def test_training_comes_from_the_outer_call(self):
+        class Block(keras.layers.Layer):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                policy = "fp8_hybrid[history_len=4]"
+                self.first = FP8Dense(16, min_gemm_size=0, dtype=policy)
+                self.frozen = FP8Dense(16, min_gemm_size=0, dtype=policy)
+
+            def call(self, x):
+                return self.frozen(self.first(x), training=False)
+
+        block = Block(dtype="mixed_bfloat16")
+        x = self._bf16((8, 16), 0)
+        block(x)  # builds (generic path)
+        with _Dispatch() as dispatch:
+            block(x)
+            self.assertEqual(np.count_nonzero(to_numpy(block.first.input_amax_history)), 0)
+            block(x, training=True)
+            self.assertEqual(np.count_nonzero(to_numpy(block.first.input_amax_history)), 1)
+            self.assertEqual(np.count_nonzero(to_numpy(block.frozen.input_amax_history)), 0)
+            block(x, training=False)
+            self.assertEqual(np.count_nonzero(to_numpy(block.first.input_amax_history)), 1)
+            self.assertEqual(dispatch.generic_calls, 0)
+
+    def test_other_inputs_take_the_generic_path(self):
+        import torch
+
+        layer = FP8Dense(8, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0)
+        layer.build((4, 16))
+        with _Dispatch() as dispatch:
+            layer(self._bf16((4, 16), 0).float(), training=True)  # needs a cast
+            self.assertEqual(dispatch.generic_calls, 1)
+            masked = self._bf16((4, 16), 1)
+            masked._keras_mask = torch.ones(4, dtype=torch.bool, device=masked.device)
+            layer(masked, training=True)
+            self.assertEqual(dispatch.generic_calls, 2)
+            with self.assertRaisesRegex(ValueError, "incompatible|expected"):
+                layer(self._bf16((4, 12), 2), training=True)  # Keras's input check
+            self.assertEqual(dispatch.generic_calls, 3)
+            handle = layer.register_forward_hook(lambda *a: None)
+            layer(self._bf16((4, 16), 3), training=True)
+            handle.remove()
+            self.assertEqual(dispatch.generic_calls, 4)
+        self.assertEqual(np.count_nonzero(to_numpy(layer.input_amax_history)), 3)

@@ -62,6 +62,9 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
         super().build(input_shape)
         self._build_fp8_state()
 
+    def _fast_call_accepts(self, x):
+        return x.dim() >= 2 and x.shape[-1] == self._kernel.shape[0]
+
     def call(self, inputs, training=None):
         recipe = self._fp8_call_recipe(inputs)
         if recipe is None:

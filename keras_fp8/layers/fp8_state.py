@@ -70,6 +70,18 @@ class FP8StateMixin:
     `_fp8_matmul(x2d, kernel2d, recipe, training)`.
     """
 
+    def __call__(self, *args, **kwargs):
+        fast = getattr(backends.get(), "fast_layer_call", None)
+        if fast is not None:
+            outputs = fast(self, args, kwargs)
+            if outputs is not None:
+                return outputs
+        return super().__call__(*args, **kwargs)
+
+    def _fast_call_accepts(self, x):
+        """Whether `x` passes the layer's input spec (checked cheaply)."""
+        return False
+
     def _init_fp8(self, recipe, min_gemm_size):
         self.recipe = recipes.get(recipe) if recipe is not None else None
         self.min_gemm_size = recipes.check_min_gemm_size(min_gemm_size)
