@@ -335,6 +335,9 @@ class NoSpuriousWarningTest(parameterized.TestCase):
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         result = subprocess.run(
             [sys.executable, "-c", script], capture_output=True, text=True,
-            env=dict(os.environ, PYTHONPATH=repo), cwd=repo, check=True,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            )),
+            cwd=repo, check=True,
         )
         self.assertNotIn("Gradients do not exist", result.stderr)
