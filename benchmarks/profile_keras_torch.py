@@ -10,9 +10,11 @@ by `torch.cuda.set_sync_debug_mode("warn")`.
 """
 
 import argparse
+import collections
 import os
 import sys
 import time
+import traceback
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,8 +42,18 @@ def main():
     xs, ys = x[3 * n: (3 + args.steps) * n], y[3 * n: (3 + args.steps) * n]
     if cuda:
         torch.cuda.set_sync_debug_mode("warn")
-    with warnings.catch_warnings(record=True) as caught:
+    sync_stacks = collections.Counter()
+
+    def record_sync(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in f.filename]
+            sync_stacks[" <- ".join(
+                f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in reversed(frames[-6:])
+            )] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record_sync
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]
             + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -52,16 +64,15 @@ def main():
             wall = time.perf_counter() - t0
     if cuda:
         torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
     events = prof.key_averages()
     total_cuda_us = sum(e.self_device_time_total for e in events)
     print(f"# {keras.backend.backend()} {args.policy}: {args.steps} profiled steps, wall "
           f"{1e3 * wall / args.steps:.1f} ms/step (profiler on), GPU busy "
           f"{total_cuda_us / 1e3 / args.steps:.1f} ms/step")
-    print(f"host-synchronizing calls: {len(syncs)}")
-    for s in sorted(set(syncs))[:10]:
-        print("  sync:", s[:160])
-    print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
+    print(f"host-synchronizing calls: {sum(sync_stacks.values())}")
+    for stack, count in sync_stacks.most_common(12):
+        print(f"  sync x{count}: {stack}")
+    print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.top, max_name_column_width=110))
 
 
 if __name__ == "__main__":
