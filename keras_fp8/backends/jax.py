@@ -10,7 +10,6 @@ gradient's amax leaves through the cotangent of `grad_amax_pending`.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -34,50 +33,19 @@ def fp8_gemm_supported():
     return (major, minor) >= (8, 9)
 
 
-_DIMS = (((1,), (0,)), ((), ()))
-
-
 def _xla_fp8_matmul(a_q, b_q, scale, out_dtype):
-    """`(a_q @ b_q) * scale` with FP8 operands handed to XLA directly.
-
-    The product comes out of the FP8 GEMM in float32 and XLA folds `scale`
-    into it; a narrower `out_dtype` costs a separate pass over the float32
-    product (written, read back, cast). Used for float32 outputs (the kernel
-    gradient), and for all outputs with `KERAS_FP8_JAX_GEMM=direct`.
-    """
+    """`(a_q @ b_q) * scale` with FP8 operands handed to XLA directly."""
     product = jax.lax.dot_general(
-        a_q, b_q, dimension_numbers=_DIMS, preferred_element_type=jnp.float32
+        a_q,
+        b_q,
+        dimension_numbers=(((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
     )
     return (product * scale).astype(out_dtype)
 
 
-def _xla_fp8_matmul_scaled(a_q, b_q, scale, out_dtype):
-    """The same product, written as XLA's scaled-FP8 pattern:
-    `dot(convert(a_q) * scale, convert(b_q))` with the output in `out_dtype`.
-
-    XLA's GPU GEMM rewriter turns this into one cuBLASLt FP8 GEMM that takes
-    `scale` as its A-scale (applied to the float32 accumulator, as in
-    `_xla_fp8_matmul`) and writes `out_dtype` (e.g. bfloat16) directly: no
-    float32 product in memory. (The dequantized float32 operands exist only in
-    the HLO; if XLA did not rewrite the pattern it would run a float32 GEMM,
-    which `tests/test_jax_gpu.py` would catch.)
-    """
-    a = a_q.astype(jnp.float32) * scale
-    b = b_q.astype(jnp.float32)
-    return jax.lax.dot_general(
-        a, b, dimension_numbers=_DIMS, preferred_element_type=out_dtype
-    )
-
-
-def _gpu_fp8_matmul(a_q, b_q, scale, out_dtype):
-    mode = os.environ.get("KERAS_FP8_JAX_GEMM", "direct")
-    if mode == "scaled" and jnp.dtype(out_dtype) != jnp.float32:
-        return _xla_fp8_matmul_scaled(a_q, b_q, scale, out_dtype)
-    return _xla_fp8_matmul(a_q, b_q, scale, out_dtype)
-
-
 def _matmul():
-    return _gpu_fp8_matmul if fp8_gemm_supported() else emulation.scaled_matmul
+    return _xla_fp8_matmul if fp8_gemm_supported() else emulation.scaled_matmul
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
