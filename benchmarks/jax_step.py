@@ -8,6 +8,8 @@ prints one `STEP` line (JSON): trace/lower/compile seconds, jaxpr equation
 count, compiled-HLO size, how many matrix products have FP8 operands, whether
 attention went to cuDNN (`__cudnn$fmha` custom calls), the largest f32
 buffers, and the median time of the compiled step run directly (no fit loop).
+`PHASE` lines are printed as each stage ends, so a run cut off by a timeout
+still says how far it got. XLA flags come from `XLA_FLAGS`.
 """
 
 import argparse
@@ -38,17 +40,14 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--attention", default="auto",
                         choices=["auto", "flash", "xla"])
-    parser.add_argument("--gemm", default=None, choices=["direct", "scaled"],
-                        help="sets KERAS_FP8_JAX_GEMM")
     parser.add_argument("--dump", default=None, help="write the HLO here (.gz)")
     args = parser.parse_args()
     args.warmup, args.steps, args.jit = 1, args.iters, "auto"
 
-    if args.gemm:
-        os.environ["KERAS_FP8_JAX_GEMM"] = args.gemm
     import jax
     import numpy as np
 
+    t_build = time.perf_counter()
     model = model_bench.keras_model(args)
     x, y = model_bench.data(args)
     x, y = x[: args.batch], y[: args.batch]
@@ -61,13 +60,21 @@ def main():
     data = (jax.numpy.asarray(x), jax.numpy.asarray(y))
     step = jax.jit(model.train_step, donate_argnums=0)
 
+    def phase(name, seconds):
+        print(f"PHASE {name} {seconds:.2f} s", flush=True)
+
+    phase("build", time.perf_counter() - t_build)
+
     t0 = time.perf_counter()
     jaxpr = jax.make_jaxpr(model.train_step)(state, data)
     t1 = time.perf_counter()
+    phase("trace", t1 - t0)
     lowered = step.lower(state, data)
     t2 = time.perf_counter()
+    phase("lower", t2 - t1)
     compiled = lowered.compile()
     t3 = time.perf_counter()
+    phase("compile", t3 - t2)
     hlo = compiled.as_text()
     if args.dump:
         with gzip.open(args.dump, "wt") as f:
@@ -82,11 +89,16 @@ def main():
             out = re.search(r"=\s*([a-z0-9]+)\[", line)
             gemms[f"dot -> {out.group(1) if out else '?'}"] += 1
 
+    try:  # JAX >= 0.11 (jax.core's copy was removed there)
+        from jax.extend.core import jaxprs_in_params
+    except ImportError:
+        jaxprs_in_params = jax.core.jaxprs_in_params
+
     def count_eqns(jpr):
         n = 0
         for eqn in jpr.eqns:
             n += 1
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in jaxprs_in_params(eqn.params):
                 n += count_eqns(sub)
         return n
 
@@ -98,6 +110,7 @@ def main():
         buffers[(m.group(1), m.group(2))] = size
     largest = [f"{t}[{s}]" for (t, s), _ in buffers.most_common(4)]
 
+    print("GEMMS " + json.dumps(dict(gemms)), flush=True)
     times = []
     for _ in range(args.iters + 1):
         start = time.perf_counter()
@@ -106,7 +119,7 @@ def main():
         times.append((time.perf_counter() - start) * 1e3)
     result = {
         "policy": args.policy,
-        "gemm_mode": os.environ.get("KERAS_FP8_JAX_GEMM", "direct"),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "device": str(jax.devices()[0]),
         "jax": jax.__version__,
         "trace_s": round(t1 - t0, 2),
