@@ -342,3 +342,49 @@ class FastCallTest(parameterized.TestCase):
             handle.remove()
             self.assertEqual(dispatch.generic_calls, 4)
         self.assertEqual(np.count_nonzero(to_numpy(layer.input_amax_history)), 3)
+
+
+class TorchCompileTest(parameterized.TestCase):
+    """jit_compile=True (torch.compile) on the torch_ops path."""
+
+    @parameterized.named_parameters(
+        ("dense", lambda: FP8Dense(16, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0), (8, 32)),
+        ("einsum", lambda: FP8EinsumDense("abc,cd->abd", (None, 16), dtype="fp8_hybrid[history_len=4]",
+                                          min_gemm_size=0), (2, 4, 32)),
+    )
+    def test_fp8_layer_traces_without_graph_breaks(self, make, shape):
+        import torch
+
+        layer = make()
+        layer.build(shape)
+        x = torch.tensor(rng_normal(shape, 0), device=_device()).bfloat16()
+        with _Dispatch():
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(lambda x: layer(x, training=True))(x)
+        self.assertEqual(explained.graph_break_count, 0, explained.break_reasons)
+        self.assertEqual(explained.graph_count, 1)
+
+    def test_fit_with_jit_compile_equals_eager(self):
+        def train(jit_compile):
+            keras.utils.set_random_seed(0)
+            policy = "fp8_hybrid[history_len=8]"
+            model = keras.Sequential([
+                keras.Input((32,)),
+                FP8Dense(64, activation="relu", min_gemm_size=0, dtype=policy),
+                FP8Dense(10, min_gemm_size=0, dtype=policy),
+            ])
+            model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          jit_compile=jit_compile)
+            x = rng_normal((64, 32), 0)
+            y = np.random.default_rng(0).integers(0, 10, 64)
+            with _Dispatch():
+                history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+            state = [to_numpy(v) for layer in model.layers for v in layer.fp8_state_variables]
+            return history.history["loss"], state
+
+        eager_loss, eager_state = train(False)
+        compiled_loss, compiled_state = train(True)
+        self.assertEqual(np.count_nonzero(eager_state[1]), 4)  # input_amax_history: 4 steps
+        for a, b in zip(eager_state, compiled_state):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(compiled_loss, eager_loss, rtol=1e-4)  # fused loss math
