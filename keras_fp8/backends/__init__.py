@@ -23,14 +23,22 @@ import importlib
 import keras
 
 _SUPPORTED = ("jax", "torch")
+# Imported once: `importlib` inside a traced call would break a torch.compile
+# graph.
+_LOADED = {}
 
 
 def get():
     """Returns the module implementing FP8 matmuls for the Keras backend."""
     name = keras.backend.backend()
+    module = _LOADED.get(name)
+    if module is not None:
+        return module
     if name not in _SUPPORTED:
         raise NotImplementedError(
             f"keras_fp8 supports the Keras backends {list(_SUPPORTED)}; the "
             f"current backend is {name!r}. Set KERAS_BACKEND=jax or torch."
         )
-    return importlib.import_module(f"keras_fp8.backends.{name}")
+    module = importlib.import_module(f"keras_fp8.backends.{name}")
+    _LOADED[name] = module
+    return module
