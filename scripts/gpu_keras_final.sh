@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One device call for issue 4 (Keras on torch + GPU), capped at $BUDGET s:
+# build, the Keras torch GPU tests (and the torch_ops fold tests), the Keras
+# layer benchmark with the host cost, the model benchmark (Keras torch bf16 and
+# fp8, a small model of both, the plain-PyTorch bf16 and torchao peers), and a
+# profile of the fp8 step. Each phase gets min(its limit, time left).
+set -o pipefail
+export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
+T0=$(date +%s); BUDGET=${BUDGET:-330}
+PHASES=${PHASES:-"build tests layer model small peers profile"}
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+say() { echo "$*" | tee -a "$LOG"; }
+step() {  # step NAME LIMIT CMD...
+  local name=$1 lim=$2; shift 2
+  local left=$((BUDGET - ($(date +%s) - T0)))
+  ((lim > left)) && lim=$left
+  if ((lim < 15)); then say "[skip $name: ${left}s left]"; return 1; fi
+  timeout "$lim" "$@" >> "$OUT/$name.txt" 2>&1; local rc=$?
+  say "[$(($(date +%s) - T0))s] $name rc=$rc"
+  return $rc
+}
+say "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader) $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+if has build; then step build 150 python3 -m torch_ops build; tail -2 "$OUT/build.txt" | tee -a "$LOG"; fi
+if has tests; then
+  KERAS_BACKEND=torch step tests 110 python3 -m pytest ${TESTS:-tests/torch_ops/test_torch_ops_fold.py tests/test_torch_dispatch.py tests/test_fp8_dense.py tests/test_loss_scaling.py tests/test_fp8_einsum_dense.py} -q -p no:cacheprovider --tb=short -W ignore
+  tail -1 "$OUT/tests.txt" | tee -a "$LOG"; grep -E "^FAILED|^ERROR" "$OUT/tests.txt" | head -20 | tee -a "$LOG"
+fi
+if has layer; then
+  KERAS_BACKEND=torch step layer 100 python3 benchmarks/keras_layer.py --shapes ${LAYER_SHAPES:-16384x4096x4096,16384x4096x14336,16384x14336x4096,4096x1024x1024} --iters 10
+  grep -E "^###|^\| |host|FAILED" "$OUT/layer.txt" | tee -a "$LOG"
+fi
+model() {  # model NAME LIMIT ARGS...
+  local name=$1 lim=$2; shift 2
+  step "$name" "$lim" python3 benchmarks/model.py "$@" --warmup 3 --steps 6
+  grep RESULT "$OUT/$name.txt" | tail -1 | cut -c1-400 | tee -a "$LOG"
+}
+if has model; then
+  KERAS_BACKEND=torch model model_bf16 60 --stack keras --policy mixed_bfloat16
+  KERAS_BACKEND=torch model model_fp8 60 --stack keras --policy fp8_hybrid
+fi
+SMALL="--hidden 1024 --mlp 2816 --heads 8 --seq 512 --vocab 8000"
+if has small; then
+  KERAS_BACKEND=torch model small_bf16 40 --stack keras --policy mixed_bfloat16 $SMALL
+  KERAS_BACKEND=torch model small_fp8 40 --stack keras --policy fp8_hybrid $SMALL
+fi
+if has peers; then
+  model torch_bf16 50 --stack torch
+  model torchao 100 --stack torch --torchao
+fi
+if has profile; then
+  KERAS_BACKEND=torch step profile 60 python3 benchmarks/profile_keras_torch.py --policy fp8_hybrid --top 25
+  grep -E "^# |host-sync|  sync" "$OUT/profile.txt" | tee -a "$LOG"
+fi
+say "[$(($(date +%s) - T0))s] done"
