@@ -49,7 +49,9 @@ if has peers; then
   model torchao 100 --stack torch --torchao
 fi
 if has profile; then
-  KERAS_BACKEND=torch step profile 60 python3 benchmarks/profile_keras_torch.py --policy fp8_hybrid --top 25
-  grep -E "^# |host-sync|  sync" "$OUT/profile.txt" | tee -a "$LOG"
+  for p in ${PROFILE_POLICIES:-fp8_hybrid mixed_bfloat16}; do
+    KERAS_BACKEND=torch step profile_$p 50 python3 benchmarks/profile_keras_torch.py --policy $p --top 40
+    grep -E "^# |host-sync|  sync" "$OUT/profile_$p.txt" | tee -a "$LOG"
+  done
 fi
 say "[$(($(date +%s) - T0))s] done"
