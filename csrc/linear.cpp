@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <torch/extension.h>
 
+#include <string>
+
 #include "common.h"
 
 namespace torch_ops {
@@ -157,6 +159,18 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
 
 const char* dname(const at::Tensor& t) { return t.is_cuda() ? "cuda" : "cpu"; }
 
+// "(4, 7)" / "(5,)" as Python prints a shape tuple (built by hand: streaming
+// an IntArrayRef into an error message crashed the H200 build, run 3).
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(t.size(i));
+  }
+  if (t.dim() == 1) s += ",";
+  return s + ")";
+}
+
 void check_float(const at::Tensor& t, const char* name) {
   const auto s = t.scalar_type();
   TORCH_CHECK_TYPE(s == at::kBFloat16 || s == at::kHalf || s == at::kFloat, name,
@@ -169,22 +183,22 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                   const std::vector<at::Tensor>& state, int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo,
                   bool in_out, bool training, const c10::optional<at::Tensor>& sink_in, int64_t min_gemm_size) {
   // Argument checks (the same conditions and messages as linear.py's _check).
-  TORCH_CHECK_VALUE(x.dim() >= 2, "x: expected a tensor of rank >= 2, got ", x.sizes());
+  TORCH_CHECK_VALUE(x.dim() >= 2, "x: expected a tensor of rank >= 2, got ", shape_str(x));
   check_float(x, "x");
-  TORCH_CHECK_VALUE(weight.dim() == 2, "weight: expected a 2-D tensor, got ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2, "weight: expected a 2-D tensor, got ", shape_str(weight));
   check_float(weight, "weight");
   TORCH_CHECK_VALUE(weight.device() == x.device(), "weight: expected device ", x.device(), ", got ",
                     weight.device());
   const long long K = x.size(-1);
   const long long k_w = in_out ? weight.size(0) : weight.size(1);
-  TORCH_CHECK_VALUE(k_w == K, "weight: shape ", weight.sizes(), " with weight_layout=",
+  TORCH_CHECK_VALUE(k_w == K, "weight: shape ", shape_str(weight), " with weight_layout=",
                     in_out ? "'in_out'" : "'out_in'", " does not match x's last dimension ", K);
   const long long N = in_out ? weight.size(1) : weight.size(0);
   c10::optional<at::Tensor> bias;
   if (bias_in.has_value() && bias_in->defined()) {
     bias = *bias_in;
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N && bias->device() == x.device(),
-                      "bias: expected shape (", N, ",) on ", x.device(), ", got ", bias->sizes(), " on ",
+                      "bias: expected shape (", N, ",) on ", x.device(), ", got ", shape_str(*bias), " on ",
                       bias->device());
   }
   static const char* kNames[6] = {"input_scale", "input_amax_history", "kernel_scale",
@@ -199,7 +213,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     const bool scalar = (i % 2) == 0;
     TORCH_CHECK_VALUE(t.is_contiguous() && (scalar ? t.numel() == 1 : t.dim() == 1), "state.", kNames[i],
                       scalar ? ": expected one element" : ": expected a contiguous 1-D history (H,)", ", got shape ",
-                      t.sizes());
+                      shape_str(t));
   }
   c10::optional<at::Tensor> sink;
   if (sink_in.has_value() && sink_in->defined()) {

@@ -261,7 +261,7 @@ class LinearFastPathTest(parameterized.TestCase):
             for u, v in zip(*outs):
                 self.assertTrue(torch.equal(u, v))
 
-    def test_bad_inputs_fast_path(self):
+    def test_wrong_inputs_fast_path(self):
         st = torch_ops.FP8LinearState.create(4, device=DEV)
         x = torch.randn(4, 8, device=DEV)
         with self.assertRaisesRegex(TypeError, "x:"):
