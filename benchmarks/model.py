@@ -100,6 +100,7 @@ def keras_model(args):
 
 
 def run_keras(args):
+    start = time.perf_counter()
     import keras
 
     model = keras_model(args)
@@ -110,6 +111,8 @@ def run_keras(args):
         def on_train_batch_end(self, batch, logs=None):
             losses.append(float(logs["loss"]))  # forces the step to finish
             stamps.append(time.perf_counter())
+            # Progress (a run cut short still shows how far it got).
+            print(f"step {batch} done at {stamps[-1] - start:.1f} s", flush=True)
 
     model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
               callbacks=[Timer()])
