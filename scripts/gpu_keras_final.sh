@@ -23,7 +23,7 @@ step() {  # step NAME LIMIT CMD...
 say "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader) $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
 if has build; then step build 150 python3 -m torch_ops build; tail -2 "$OUT/build.txt" | tee -a "$LOG"; fi
 if has tests; then
-  KERAS_BACKEND=torch step tests 110 python3 -m pytest ${TESTS:-tests/torch_ops/test_torch_ops_fold.py tests/test_torch_dispatch.py tests/test_fp8_dense.py tests/test_loss_scaling.py tests/test_fp8_einsum_dense.py} -q -p no:cacheprovider --tb=short -W ignore
+  KERAS_BACKEND=torch step tests 130 python3 -m pytest ${TESTS:-tests/torch_ops/test_torch_ops_fold.py tests/test_torch_dispatch.py tests/test_fp8_dense.py tests/test_loss_scaling.py tests/test_fp8_einsum_dense.py tests/test_convert.py tests/test_saving.py tests/test_autocast.py tests/test_training.py} -q -p no:cacheprovider --tb=short -W ignore
   tail -1 "$OUT/tests.txt" | tee -a "$LOG"; grep -E "^FAILED|^ERROR" "$OUT/tests.txt" | head -20 | tee -a "$LOG"
 fi
 if has layer; then
