@@ -94,7 +94,8 @@ class SavingTest(parameterized.TestCase):
             f"np.save({os.path.join(workdir, 'pred.npy')!r}, "
             "np.asarray(m.predict(x, verbose=0)).astype(np.float32))\n"
         )
-        env = dict(os.environ, KERAS_BACKEND=other, PYTHONPATH=_REPO)
+        path = [_REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env = dict(os.environ, KERAS_BACKEND=other, PYTHONPATH=os.pathsep.join(path))
         subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=_REPO)
 
         keras.mixed_precision.set_global_policy("float32")

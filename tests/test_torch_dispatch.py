@@ -384,7 +384,15 @@ class TorchCompileTest(parameterized.TestCase):
 
         eager_loss, eager_state = train(False)
         compiled_loss, compiled_state = train(True)
-        self.assertEqual(np.count_nonzero(eager_state[1]), 4)  # input_amax_history: 4 steps
+        # Each of the 4 steps recorded once in every history, with or
+        # without compilation.
         for a, b in zip(eager_state, compiled_state):
-            np.testing.assert_array_equal(a, b)
-        np.testing.assert_allclose(compiled_loss, eager_loss, rtol=1e-4)  # fused loss math
+            self.assertEqual(np.count_nonzero(a), np.count_nonzero(b))
+        self.assertEqual(np.count_nonzero(eager_state[1]), 4)  # input_amax_history
+        # The first layer's input amaxes come from the data: exact. The rest
+        # follow values that a compiled graph may round differently (fused
+        # bf16 casts in the loss and its gradient): close.
+        np.testing.assert_array_equal(compiled_state[1], eager_state[1])
+        for a, b in zip(eager_state, compiled_state):
+            np.testing.assert_allclose(b, a, rtol=2e-2)
+        np.testing.assert_allclose(compiled_loss, eager_loss, rtol=1e-3)

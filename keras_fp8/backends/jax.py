@@ -10,6 +10,7 @@ gradient's amax leaves through the cotangent of `grad_amax_pending`.
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -33,15 +34,29 @@ def fp8_gemm_supported():
     return (major, minor) >= (8, 9)
 
 
+# Where the FP8 GEMMs of a bf16/fp16 output write their product: "float32"
+# (then scaled and cast in one more pass over a float32 matrix) or "compute"
+# (the GEMM writes the output dtype; the scale is applied to that, in
+# float32, one more rounding to the output dtype). Read at import.
+GEMM_OUTPUT = os.environ.get("KERAS_FP8_JAX_GEMM_OUTPUT", "float32")
+if GEMM_OUTPUT not in ("float32", "compute"):
+    raise ValueError(
+        "KERAS_FP8_JAX_GEMM_OUTPUT: expected 'float32' or 'compute', got "
+        f"{GEMM_OUTPUT!r}"
+    )
+
+
 def _xla_fp8_matmul(a_q, b_q, scale, out_dtype):
     """`(a_q @ b_q) * scale` with FP8 operands handed to XLA directly."""
+    out_dtype = jnp.dtype(out_dtype)
+    narrow = GEMM_OUTPUT == "compute" and out_dtype.itemsize < 4
     product = jax.lax.dot_general(
         a_q,
         b_q,
         dimension_numbers=(((1,), (0,)), ((), ())),
-        preferred_element_type=jnp.float32,
+        preferred_element_type=out_dtype if narrow else jnp.float32,
     )
-    return (product * scale).astype(out_dtype)
+    return (product.astype(jnp.float32) * scale).astype(out_dtype)
 
 
 def _matmul():

@@ -44,10 +44,18 @@ def _torch_ops_if_usable(device_index):
     return None
 
 
+# device index -> torch_ops or None. A plain dict (not the lru_cache above)
+# is what torch.compile can trace without a graph break.
+_USABLE_BY_DEVICE = {}
+
+
 def _kernels_for(tensor):
     if tensor.device.type != "cuda":
         return None
-    return _torch_ops_if_usable(tensor.device.index or 0)
+    index = tensor.device.index or 0
+    if index not in _USABLE_BY_DEVICE:
+        _USABLE_BY_DEVICE[index] = _torch_ops_if_usable(index)
+    return _USABLE_BY_DEVICE[index]
 
 
 def _cuda_scaled_matmul(torch_ops):
