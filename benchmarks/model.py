@@ -217,7 +217,7 @@ def main():
 
         label = f"keras-{keras.backend.backend()} {args.policy}"
     else:
-        label = "torch " + ("torchao-float8 compiled" if args.torchao else "bf16" + (" compiled" if args.jit else " eager"))
+        label = "torch " + ("torchao-float8 compiled" if args.torchao else "bf16" + (" compiled" if args.jit == "true" else " eager"))
     ms = statistics.median(steps)
     result = {
         "stack": label, "ms_per_step": ms,

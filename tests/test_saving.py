@@ -85,7 +85,10 @@ class SavingTest(parameterized.TestCase):
         script = (
             "import numpy as np, keras, keras_fp8\n"
             "from tests.test_saving import make_model, data, all_state\n"
-            "keras.mixed_precision.set_global_policy('fp8_hybrid[history_len=16]')\n"
+            # min_gemm_size=0: FP8 GEMMs on the torch GPU path too (JAX has no
+            # bf16 fallback), so both backends predict with the same numerics.
+            "keras.mixed_precision.set_global_policy("
+            "'fp8_hybrid[history_len=16,min_gemm_size=0]')\n"
             "keras.utils.set_random_seed(2)\n"
             "m = make_model(); x, y = data()\n"
             "m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)\n"
@@ -109,7 +112,7 @@ class SavingTest(parameterized.TestCase):
         for name in got:
             np.testing.assert_array_equal(got[name], saved[name], err_msg=name)
         self.assertEqual(loaded.get_layer("up").dtype_policy.name,
-                         "fp8_hybrid[history_len=16]")
+                         "fp8_hybrid[history_len=16,min_gemm_size=0]")
         loaded.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
         x, y = data()
         pred = to_numpy(loaded.predict(x, verbose=0))
