@@ -65,7 +65,11 @@ def main():
     if cuda:
         torch.cuda.set_sync_debug_mode(0)
     events = prof.key_averages()
-    total_cuda_us = sum(e.self_device_time_total for e in events)
+    # Kernel rows only: a CPU op's self device time repeats its kernels'.
+    cuda_type = getattr(torch.autograd, "DeviceType", None)
+    kernels = [e for e in events if cuda_type is not None
+               and getattr(e, "device_type", None) == cuda_type.CUDA]
+    total_cuda_us = sum(e.self_device_time_total for e in kernels)
     print(f"# {keras.backend.backend()} {args.policy}: {args.steps} profiled steps, wall "
           f"{1e3 * wall / args.steps:.1f} ms/step (profiler on), GPU busy "
           f"{total_cuda_us / 1e3 / args.steps:.1f} ms/step")
