@@ -29,17 +29,8 @@ from benchmarks import model as model_bench  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--policy", default="fp8_hybrid")
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--mlp", type=int, default=14336)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32000)
+    model_bench.add_model_arguments(parser)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--attention", default="auto",
-                        choices=["auto", "flash", "xla"])
     parser.add_argument("--dump", default=None, help="write the HLO here (.gz)")
     args = parser.parse_args()
     args.warmup, args.steps, args.jit = 1, args.iters, "auto"

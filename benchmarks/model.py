@@ -47,7 +47,6 @@ def keras_model(args):
     import keras
     from keras import ops
 
-    import keras_fp8
     from keras_fp8.layers import FP8Dense
 
     class CausalSelfAttention(keras.layers.Layer):
@@ -186,13 +185,9 @@ def run_torch(args):
     return stamps, losses
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stack", choices=["keras", "torch"], default="keras")
+def add_model_arguments(parser):
+    """The architecture flags (ANCHORS.md defaults) and the attention choice."""
     parser.add_argument("--policy", default="fp8_hybrid")
-    parser.add_argument("--torchao", action="store_true")
-    parser.add_argument("--jit", nargs="?", const="true", default="auto",
-                        choices=["auto", "true", "false"])
     parser.add_argument("--attention", default="auto",
                         choices=["auto", "flash", "xla"])
     parser.add_argument("--hidden", type=int, default=4096)
@@ -202,6 +197,15 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stack", choices=["keras", "torch"], default="keras")
+    parser.add_argument("--torchao", action="store_true")
+    parser.add_argument("--jit", nargs="?", const="true", default="auto",
+                        choices=["auto", "true", "false"])
+    add_model_arguments(parser)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     return parser.parse_args(argv)

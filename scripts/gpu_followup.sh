@@ -6,16 +6,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 T0=$(date +%s); BUDGET=${BUDGET:-300}
-say() { echo "$*" | tee -a "$LOG"; }
-step() {  # step NAME LIMIT CMD...
-  local name=$1 lim=$2; shift 2
-  local left=$((BUDGET - ($(date +%s) - T0)))
-  ((lim > left)) && lim=$left
-  if ((lim < 15)); then say "[skip $name: ${left}s left]"; return 1; fi
-  timeout "$lim" "$@" >> "$OUT/$name.txt" 2>&1; local rc=$?
-  say "[$(($(date +%s) - T0))s] $name rc=$rc"
-  return $rc
-}
+source "$(dirname "$0")/lib.sh"
 result() { { grep RESULT "$OUT/$1.txt" || tail -3 "$OUT/$1.txt"; } | tail -1 | cut -c1-500 | tee -a "$LOG"; }
 step build 150 python3 -m torch_ops build; tail -1 "$OUT/build.txt" | tee -a "$LOG"; rm -f "$OUT/build.txt"
 KERAS_BACKEND=torch step tests 90 python3 -m pytest tests/test_torch_dispatch.py tests/test_saving.py -q -p no:cacheprovider --tb=short -W ignore

@@ -10,16 +10,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 T0=$(date +%s); BUDGET=${BUDGET:-330}
 PHASES=${PHASES:-"build tests model layer small jax peers profile"}
 has() { [[ " $PHASES " == *" $1 "* ]]; }
-say() { echo "$*" | tee -a "$LOG"; }
-step() {  # step NAME LIMIT CMD...
-  local name=$1 lim=$2; shift 2
-  local left=$((BUDGET - ($(date +%s) - T0)))
-  ((lim > left)) && lim=$left
-  if ((lim < 15)); then say "[skip $name: ${left}s left]"; return 1; fi
-  timeout "$lim" "$@" >> "$OUT/$name.txt" 2>&1; local rc=$?
-  say "[$(($(date +%s) - T0))s] $name rc=$rc"
-  return $rc
-}
+source "$(dirname "$0")/lib.sh"
 say "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader) $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
 if has build; then step build 150 python3 -m torch_ops build; tail -2 "$OUT/build.txt" | tee -a "$LOG"; fi
 if has tests; then
