@@ -169,7 +169,7 @@ class LinearEmulationTest(parameterized.TestCase):
     @parameterized.product(layout=["out_in", "in_out"], fmt=["hybrid", "e4m3"])
     def test_forward_backward_close_to_float(self, layout, fmt):
         torch.manual_seed(3)
-        M, K, N = 33, 48, 20
+        K, N = 48, 20  # x holds 3 * 11 = 33 rows
         x = torch.randn(3, 11, K, requires_grad=True)
         w = torch.randn(N, K) * 0.1
         w = (w if layout == "out_in" else w.t().contiguous()).requires_grad_()

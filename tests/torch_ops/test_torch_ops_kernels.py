@@ -6,7 +6,6 @@ kernels memory that was just filled with 0xFF bytes (NaN in both fp8
 formats), so an element the kernel did not write cannot match the reference.
 """
 
-import math
 
 import pytest
 import torch
