@@ -14,9 +14,7 @@ is an empty tensor.
 
 from __future__ import annotations
 
-import functools
 import os
-import struct
 from typing import Optional
 
 import torch
@@ -40,11 +38,10 @@ def _use_kernel(t: torch.Tensor) -> bool:
     return t.is_cuda and _build.is_available()
 
 
-@functools.lru_cache(maxsize=64)
 def _mdiv(margin: float) -> float:
     # 2**-margin rounded to float32, the multiplier the emulation uses
     # (docs/numerics.md: scales are built by multiplication).
-    return struct.unpack("f", struct.pack("f", 2.0 ** -float(margin)))[0]
+    return emu.f32(2.0 ** -float(margin))
 
 
 def _empty_fp8(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,9 @@ CUDA-graph and ``torch.compile`` friendly.
 
 from __future__ import annotations
 
+import functools
+import struct
+
 import torch
 
 FP8_MAX = {
@@ -55,12 +58,20 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     return y.clamp(-m, m).to(fp8_dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def f32(value: float) -> float:
+    """`value` rounded to float32, as a Python float (exactly representable)."""
+    return struct.unpack("f", struct.pack("f", float(value)))[0]
+
+
 def compute_scale(window: torch.Tensor, prev: torch.Tensor, fp8_dtype: torch.dtype, margin: float = 0.0) -> torch.Tensor:
     """(window * f32(1/fmt_max)) * f32(2**-margin) if window is finite and > 0, else prev."""
     w = _as_scalar(window)
     p = _as_scalar(prev)
-    inv_max = torch.tensor(1.0 / fp8_max(fp8_dtype), dtype=torch.float32, device=w.device)
-    new = (w * inv_max) * torch.tensor(2.0 ** -float(margin), dtype=torch.float32, device=w.device)
+    # Python floats that are exact float32 values multiply a float32 tensor in
+    # float32, and reach a CUDA kernel as arguments: no host-to-device copy
+    # (a pageable copy would synchronize the stream).
+    new = (w * f32(1.0 / fp8_max(fp8_dtype))) * f32(2.0 ** -float(margin))
     ok = torch.isfinite(w) & (w > 0)
     return torch.where(ok, new, p)
 

@@ -20,23 +20,18 @@ when the window is finite and positive (delayed scaling only).
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
 from . import _build
+from . import _ops
 from . import emulation as emu
 
 FOLD_COUNT_PERIOD = 2.0**20
 _ALGOS = ("max", "most_recent")
 
 
-def _f32(v: float) -> float:
-    return struct.unpack("f", struct.pack("f", float(v)))[0]
-
-
 @torch.no_grad()
-def _fold_reference(pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale):
+def _fold_reference(pending, fold_state, history, scale, fp8_dtype, margin, algo, window, update_scale):
     amax, token, loss_scale = pending[0], pending[1], pending[2]
     folds, last_token, last_loss_scale = fold_state[0], fold_state[1], fold_state[2]
     one = torch.ones_like(loss_scale)
@@ -50,28 +45,26 @@ def _fold_reference(pending, fold_state, history, scale, inv_max, mdiv, algo, wi
     new_last_loss_scale = torch.where(loss_scale > 0, loss_scale, last_loss_scale)
     fresh = (token > 0) & (token != last_token)
     record = fresh & torch.isfinite(amax) & (amax > 0)
-    shifted = torch.cat([amax.reshape(1), history[:-1]])
-    history.copy_(torch.where(record, shifted, history))
+    history.copy_(torch.where(record, emu._shifted(history, amax), history))
     if update_scale:
         w = history[0] if algo == "most_recent" else history[:window].amax()
-        # Python floats reach the kernels as float32 arguments: no host to
-        # device copy (a pageable copy would synchronize the stream).
-        new = (w * inv_max) * mdiv
-        usable = torch.isfinite(w) & (w > 0)
-        scale.copy_(torch.where(fresh & usable, new, scale.reshape(())).reshape(scale.shape))
+        new_scale = emu.compute_scale(w, scale, fp8_dtype, margin)
+        scale.copy_(torch.where(fresh, new_scale, scale.reshape(())).reshape(scale.shape))
     new_folds = torch.where(fresh, torch.remainder(folds + 1.0, FOLD_COUNT_PERIOD), folds)
     fold_state.copy_(torch.stack([new_folds, torch.where(fresh, token, last_token), new_last_loss_scale]))
     return new_folds + 1.0, scale.reshape(()).clone(), history.clone()
 
 
-def _fold_impl(pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale):
-    if pending.is_cuda and _build.is_available():
+def _fold_impl(pending, fold_state, history, scale, fp8_dtype, margin, algo, window, update_scale):
+    if _ops._use_kernel(pending):
+        inv_max = emu.f32(1.0 / emu.fp8_max(fp8_dtype))
         return tuple(
             _build.load().fold_grad_amax(
-                pending, fold_state, history, scale, inv_max, mdiv, _ALGOS.index(algo), window, update_scale
+                pending, fold_state, history, scale, inv_max, _ops._mdiv(margin), _ALGOS.index(algo), window,
+                update_scale,
             )
         )
-    return _fold_reference(pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale)
+    return _fold_reference(pending, fold_state, history, scale, fp8_dtype, margin, algo, window, update_scale)
 
 
 @torch.library.custom_op("torch_ops::fold_grad_amax", mutates_args=("fold_state", "history", "scale"))
@@ -80,21 +73,18 @@ def fold_grad_amax_op(
     fold_state: torch.Tensor,
     history: torch.Tensor,
     scale: torch.Tensor,
-    inv_max: float,
-    mdiv: float,
+    fp8_dtype: torch.dtype,
+    margin: float,
     algo: str,
     window: int,
     update_scale: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fold_impl(pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale)
+    return _fold_impl(pending, fold_state, history, scale, fp8_dtype, margin, algo, window, update_scale)
 
 
 @fold_grad_amax_op.register_fake
-def _(pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale):
+def _(pending, fold_state, history, scale, fp8_dtype, margin, algo, window, update_scale):
     return pending.new_empty(()), pending.new_empty(()), history.new_empty(history.shape)
-
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def fold_pending_grad_amax(
@@ -157,10 +147,10 @@ def fold_pending_grad_amax(
     window = amax_history.numel() if window is None else int(window)
     if window < 1:
         raise ValueError(f"window: expected >= 1, got {window}")
-    inv_max = _f32(1.0 / emu.fp8_max(fp8_dtype))
-    mdiv = _f32(2.0 ** -float(margin))
+    emu.fp8_max(fp8_dtype)  # checks fp8_dtype
     pending = pending.detach()
-    args = (pending, fold_state, amax_history, scale, inv_max, mdiv, amax_compute_algo, window, bool(update_scale))
-    if not torch.compiler.is_compiling() and all(type(t) in _PLAIN_TYPES for t in args[:4]):
+    args = (pending, fold_state, amax_history, scale, fp8_dtype, float(margin), amax_compute_algo, window,
+            bool(update_scale))
+    if _ops._plain(*args[:4]):
         return _fold_impl(*args)
     return torch.ops.torch_ops.fold_grad_amax(*args)
