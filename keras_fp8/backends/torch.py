@@ -6,7 +6,6 @@ emulation of `emulation.py` runs (with a one-time warning on a CUDA GPU that
 lacks FP8 or the compiled kernels). `torch_ops` is imported lazily, here only.
 """
 
-import functools
 import warnings
 
 import torch
@@ -20,9 +19,9 @@ from keras_fp8 import recipes
 from keras_fp8.backends import emulation
 
 
-@functools.lru_cache(maxsize=None)
 def _torch_ops_if_usable(device_index):
-    """Returns the `torch_ops` module if it can run on this CUDA device."""
+    """Returns the `torch_ops` module if it can run on this CUDA device
+    (warns once per device otherwise: `_kernels_for` caches the answer)."""
     major, minor = torch.cuda.get_device_capability(device_index)
     reason = None
     if (major, minor) < (8, 9):
@@ -44,7 +43,7 @@ def _torch_ops_if_usable(device_index):
     return None
 
 
-# device index -> torch_ops or None. A plain dict (not the lru_cache above)
+# device index -> torch_ops or None. A plain dict (not functools.lru_cache)
 # is what torch.compile can trace without a graph break.
 _USABLE_BY_DEVICE = {}
 
@@ -127,9 +126,6 @@ class _EmitToken(torch.autograd.Function):
         return grad, dpending, None
 
 
-_FP8_DTYPES = {recipes.E4M3: torch.float8_e4m3fn, recipes.E5M2: torch.float8_e5m2}
-
-
 def _read_value(variable):
     return variable._value
 
@@ -191,7 +187,7 @@ def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
             value(layer.grad_fold_state),
             value(layer.grad_amax_history),
             value(layer.grad_scale),
-            _FP8_DTYPES[recipe.backward_format],
+            _torch_dtype(recipes.FORMAT_DTYPE[recipe.backward_format]),
             margin=recipe.margin,
             amax_compute_algo=recipe.amax_compute_algo,
             window=recipe.history_len,
@@ -230,9 +226,6 @@ def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
     return _EmitToken.apply(y, pending, token)
 
 
-_TORCH_FLOATS = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
 def fast_layer_call(layer, args, kwargs):
     """An FP8 layer's `__call__` without Keras's generic machinery, or None.
 
@@ -257,7 +250,7 @@ def fast_layer_call(layer, args, kwargs):
         or layer._forward_hooks
         or layer._forward_pre_hooks
         or torch.compiler.is_compiling()
-        or x.dtype is not _TORCH_FLOATS.get(layer.input_dtype)
+        or x.dtype != _torch_dtype(layer.input_dtype)
         or not layer._fast_call_accepts(x)
         or distribution_lib.distribution() is not None
     ):
