@@ -108,44 +108,28 @@ class FP8StateMixin:
     def _add_fp8_state_variables(self):
         recipe = self._build_time_recipe()
         history_len = getattr(recipe, "history_len", 1)
+
+        def state(name, shape, initializer="zeros", trainable=False):
+            # float32 and never autocast: `.value` is the stored tensor.
+            variable = self.add_weight(
+                name=name,
+                shape=shape,
+                initializer=initializer,
+                dtype="float32",
+                trainable=trainable,
+                autocast=False,
+            )
+            setattr(self, name, variable)
+            return variable
+
         for role in ROLES:
-            scale = self.add_weight(
-                name=f"{role}_scale",
-                shape=(),
-                initializer="ones",
-                dtype="float32",
-                trainable=False,
-                autocast=False,
-            )
-            history = self.add_weight(
-                name=f"{role}_amax_history",
-                shape=(history_len,),
-                initializer="zeros",
-                dtype="float32",
-                trainable=False,
-                autocast=False,
-            )
-            setattr(self, f"{role}_scale", scale)
-            setattr(self, f"{role}_amax_history", history)
-        self.grad_amax_pending = self.add_weight(
-            name="grad_amax_pending",
-            shape=(3,),
-            initializer="zeros",
-            dtype="float32",
-            trainable=True,
-            autocast=False,
-        )
-        self.grad_amax_pending.overwrite_with_gradient = True
+            state(f"{role}_scale", (), initializer="ones")
+            state(f"{role}_amax_history", (history_len,))
+        pending = state("grad_amax_pending", (3,), trainable=True)
+        pending.overwrite_with_gradient = True
         # Lets keras_fp8.optimizers.LossScaleOptimizer find it.
-        self.grad_amax_pending._keras_fp8_pending_grad_amax = True
-        self.grad_fold_state = self.add_weight(
-            name="grad_fold_state",
-            shape=(3,),
-            initializer="zeros",
-            dtype="float32",
-            trainable=False,
-            autocast=False,
-        )
+        pending._keras_fp8_pending_grad_amax = True
+        state("grad_fold_state", (3,))
 
     @property
     def fp8_state_variables(self):
