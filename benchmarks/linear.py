@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
 import torch_ops  # noqa: E402
-from benchmarks.timing import cuda_median_ms  # noqa: E402
+from benchmarks.timing import cuda_graph_median_ms, cuda_median_ms  # noqa: E402
 
 SHAPES = [
     (16384, 4096, 4096),
@@ -40,16 +40,7 @@ def bench(fn, iters=30, warmup=5):
 
 def bench_graph(step, iters=20):
     """GPU time of one training step, without host overhead: CUDA-graph replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return bench(g.replay, iters, warmup=3)
+    return cuda_graph_median_ms(step, iters, warmup=3)
 
 
 def fwd_bwd(model, x, gy):

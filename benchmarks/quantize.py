@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_ops  # noqa: E402
-from benchmarks.timing import cuda_median_ms  # noqa: E402
+from benchmarks.timing import cuda_graph_median_ms, cuda_median_ms  # noqa: E402
 
 
 def bench(fn, iters=100, warmup=10):
@@ -27,19 +27,7 @@ def bench(fn, iters=100, warmup=10):
 
 def bench_graph(fn, iters=20, per_graph=10):
     """GPU time only: per_graph calls captured in one CUDA graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per_graph):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return bench(g.replay, iters, warmup=2) / per_graph
+    return cuda_graph_median_ms(fn, iters, warmup=2, per_graph=per_graph)
 
 
 def main(argv=None):

@@ -24,3 +24,22 @@ def cuda_median_ms(fn, iters=30, warmup=5):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def cuda_graph_median_ms(fn, iters=20, warmup=3, per_graph=1):
+    """GPU time of one `fn()` without host overhead: `per_graph` calls captured
+    in one CUDA graph (after 3 eager warm-up calls on a side stream), the graph
+    replayed under `cuda_median_ms`, divided by `per_graph`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return cuda_median_ms(graph.replay, iters, warmup) / per_graph
