@@ -42,16 +42,7 @@ def _run_steps(layer, xs, ups, dispatch):
     """Forward+backward steps, overwriting the pending grad like an optimizer."""
     import torch
 
-    from keras_fp8.backends import torch as torch_backend
-
-    original = torch_backend._kernels_for
-    if dispatch == "emulation":
-        torch_backend._kernels_for = lambda t: None
-    elif dispatch == "torch_ops":
-        import torch_ops
-
-        torch_backend._kernels_for = lambda t: torch_ops
-    try:
+    with _Dispatch(dispatch):
         outs, dxs, dks = [], [], []
         for x, up in zip(xs, ups):
             xt = torch.tensor(x, device=_device()).requires_grad_()
@@ -64,8 +55,6 @@ def _run_steps(layer, xs, ups, dispatch):
             dxs.append(to_numpy(xt.grad))
             dks.append(to_numpy(layer._kernel.value.grad))
         return outs, dxs, dks
-    finally:
-        torch_backend._kernels_for = original
 
 
 def _clone_pair(make):
@@ -89,7 +78,7 @@ class TorchDispatchTest(parameterized.TestCase):
          "fp8_hybrid[history_len=8,margin=1.0,amax_compute_algo=most_recent]"),
     )
     def test_same_state_as_emulation(self, shape, units, policy):
-        dispatch = "kernels" if _fp8_gpu() else "torch_ops"
+        dispatch = None  # kernels on an FP8 GPU, else torch_ops
 
         def make():
             layer = FP8Dense(units, dtype=policy, min_gemm_size=0)
@@ -119,7 +108,7 @@ class TorchDispatchTest(parameterized.TestCase):
             self.assertLess(_rel(a, b), 1e-2)
 
     def test_small_gemm_fallback_keeps_state_warm(self):
-        dispatch = "kernels" if _fp8_gpu() else "torch_ops"
+        dispatch = None  # kernels on an FP8 GPU, else torch_ops
 
         def make():
             layer = FP8Dense(8, dtype="fp8_hybrid[history_len=4]",
@@ -142,7 +131,7 @@ class TorchDispatchTest(parameterized.TestCase):
     def test_layer_used_twice_in_one_step(self):
         import torch
 
-        dispatch = "kernels" if _fp8_gpu() else "torch_ops"
+        dispatch = None  # kernels on an FP8 GPU, else torch_ops
 
         def make():
             layer = FP8Dense(16, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0)
@@ -152,24 +141,13 @@ class TorchDispatchTest(parameterized.TestCase):
         ours, ref = _clone_pair(make)
         x = rng_normal((8, 32), 0)
         for layer, mode in ((ours, dispatch), (ref, "emulation")):
-            from keras_fp8.backends import torch as torch_backend
-
-            original = torch_backend._kernels_for
-            if mode == "emulation":
-                torch_backend._kernels_for = lambda t: None
-            else:
-                import torch_ops
-
-                torch_backend._kernels_for = lambda t: torch_ops
-            try:
+            with _Dispatch(mode):
                 for _ in range(2):
                     xt = torch.tensor(x, device=_device()).requires_grad_()
                     y = layer(xt, training=True) + layer(xt * 2.0, training=True)
                     y.float().sum().backward()
                     layer.grad_amax_pending.assign(layer.grad_amax_pending.value.grad)
                     layer.grad_amax_pending.value.grad = None
-            finally:
-                torch_backend._kernels_for = original
         for name in ("input_amax_history", "grad_amax_history", "grad_amax_pending",
                      "grad_fold_state", "grad_scale"):
             np.testing.assert_array_equal(
@@ -177,7 +155,7 @@ class TorchDispatchTest(parameterized.TestCase):
             )
 
     def test_einsum_dispatches_too(self):
-        dispatch = "kernels" if _fp8_gpu() else "torch_ops"
+        dispatch = None  # kernels on an FP8 GPU, else torch_ops
 
         def make():
             layer = FP8EinsumDense("abc,cde->abde", (None, 4, 8),
@@ -218,8 +196,17 @@ class TorchDispatchTest(parameterized.TestCase):
 
 
 class _Dispatch:
-    """Forces the FP8 layers onto torch_ops (its emulation on CPU), and counts
-    the calls that went through Keras's generic `Layer.__call__`."""
+    """Chooses where the FP8 layers' matmuls run, and counts the calls that
+    went through Keras's generic `Layer.__call__`.
+
+    Modes: "kernels" (the real choice: the compiled kernels on an FP8 GPU),
+    "torch_ops" (forced onto torch_ops's ops, their emulation on CPU),
+    "emulation" (the keras.ops emulation path). Default: "kernels" on an FP8
+    GPU, else "torch_ops".
+    """
+
+    def __init__(self, mode=None):
+        self.mode = mode or ("kernels" if _fp8_gpu() else "torch_ops")
 
     def __enter__(self):
         import torch_ops
@@ -229,8 +216,10 @@ class _Dispatch:
 
         self.generic_calls = 0
         self._original_kernels_for = torch_backend._kernels_for
-        if not _fp8_gpu():
+        if self.mode == "torch_ops":
             torch_backend._kernels_for = lambda t: torch_ops
+        elif self.mode == "emulation":
+            torch_backend._kernels_for = lambda t: None
         self._original_call = Layer.__call__
         original_call = self._original_call
 
