@@ -265,10 +265,8 @@ def fast_layer_call(layer, args, kwargs):
         training = None if context is None else context.get_value("training")
     if context is not None:
         context.set_value("training", training)
-    if layer.compute_dtype != layer.variable_dtype:
-        with AutocastScope(layer.compute_dtype):
-            return layer.call(x, training=training)
-    with AutocastScope(None):
+    mixed = layer.compute_dtype != layer.variable_dtype
+    with AutocastScope(layer.compute_dtype if mixed else None):
         return layer.call(x, training=training)
 
 
