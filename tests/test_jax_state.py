@@ -109,3 +109,20 @@ def test_jax_and_torch_emulations_quantize_identically(tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=repo)
     for fmt in ("e4m3", "e5m2"):
         np.testing.assert_array_equal(np.load(tmp_path / f"{fmt}.npy"), ours[fmt])
+
+
+def test_bad_gemm_output_setting_is_named():
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, KERAS_BACKEND="jax", KERAS_FP8_JAX_GEMM_OUTPUT="bfloat16",
+               PYTHONPATH=os.pathsep.join(path))
+    result = subprocess.run(
+        [sys.executable, "-c", "import keras_fp8.backends.jax"],
+        capture_output=True, text=True, env=env, cwd=repo,
+    )
+    assert result.returncode != 0
+    assert "KERAS_FP8_JAX_GEMM_OUTPUT: expected 'float32' or 'compute'" in result.stderr

@@ -104,6 +104,7 @@ class FoldReferenceTest(parameterized.TestCase):
         ("scale", dict(scale=torch.ones(2)), "scale"),
         ("algo", dict(amax_compute_algo="mean"), "amax_compute_algo"),
         ("window", dict(window=0), "window"),
+        ("fp8_dtype", dict(fp8_dtype=torch.float16), "fp8_dtype"),
     )
     def test_bad_arguments(self, override, name):
         kwargs = dict(pending=torch.zeros(3), fold_state=torch.zeros(3), amax_history=torch.zeros(4),
