@@ -44,12 +44,15 @@ def _default_backend_if_unusable():
 
 _default_backend_if_unusable()
 
+import keras as _keras  # noqa: E402
+
 from keras_fp8 import autocast as _autocast_module  # noqa: E402
 from keras_fp8 import policy as _policy_module
 from keras_fp8 import layers
 from keras_fp8 import optimizers
 from keras_fp8 import recipes
 from keras_fp8 import scaling
+from keras_fp8 import xla_flags as _xla_flags
 from keras_fp8.autocast import autocast
 from keras_fp8.convert import convert
 from keras_fp8.layers import FP8Dense
@@ -61,6 +64,7 @@ from keras_fp8.recipes import DelayedScaling
 
 __version__ = "0.1.0"
 
+_xla_flags.configure(_keras.backend.backend())
 _policy_module.register()
 _autocast_module.register()
 optimizers.register()

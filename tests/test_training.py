@@ -8,7 +8,6 @@ from absl.testing import parameterized
 from keras_fp8 import demo
 from keras_fp8.layers import FP8Dense
 from tests import reference
-from tests.backend_utils import real_fp8_gemm
 from tests.backend_utils import rng_normal
 from tests.backend_utils import to_numpy
 
@@ -36,9 +35,6 @@ class _Recorder(keras.callbacks.Callback):
 class FitStateTest(parameterized.TestCase):
     @parameterized.named_parameters(("eager_or_jit", None), ("no_jit", False))
     def test_histories_hold_exactly_the_step_amaxes(self, jit_compile):
-        if jit_compile is False and keras.backend.backend() == "jax" and real_fp8_gemm():
-            self.skipTest("JAX eager fit on GPU: state not synced to callbacks "
-                          "(open, see the issue note)")
         keras.mixed_precision.set_global_policy("fp8_hybrid[history_len=32]")
         keras.utils.set_random_seed(0)
         layer = FP8Dense(8, use_bias=False)
