@@ -6,19 +6,34 @@
 // Column-major trick: row-major out (M, N) is column-major D (N x M), and
 // D = op(A) op(B) with A = b stored (K x N) col-major, op T, and B = a stored
 // (K x M) col-major, op N.
+//
+// Algorithm choice (TORCH_OPS_GEMM_AUTOTUNE, read once; default "1"): on the
+// first call of a plan key we ask cuBLASLt for up to kMaxCandidates heuristic
+// algorithms and time each on the call's own operands (output written into the
+// call's `out`, which the real GEMM then overwrites), keeping the fastest.
+// "0" keeps the heuristic's top-1 (what torch._scaled_mm does). A first call
+// made while the current stream is capturing a CUDA graph never times (no
+// synchronization during capture): it uses the top-1 and the plan is tuned on
+// the next call outside capture. TORCH_OPS_GEMM_AUTOTUNE_LOG=1 prints one line
+// per tuned plan to stderr.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "common.h"
 
@@ -33,6 +48,24 @@ namespace torch_ops {
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
+constexpr int kMaxCandidates = 16;
+
+bool env_flag(const char* name, bool dflt) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || v[0] == 0) return dflt;
+  return !(std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0 || std::strcmp(v, "off") == 0 ||
+           std::strcmp(v, "no") == 0);
+}
+
+bool autotune_enabled() {
+  static const bool on = env_flag("TORCH_OPS_GEMM_AUTOTUNE", true);
+  return on;
+}
+
+bool autotune_log() {
+  static const bool on = env_flag("TORCH_OPS_GEMM_AUTOTUNE_LOG", false);
+  return on;
+}
 
 cudaDataType_t fp8_type(const at::Tensor& t, const char* name) {
   if (t.scalar_type() == at::kFloat8_e4m3fn) return CUDA_R_8F_E4M3;
@@ -66,8 +99,9 @@ at::Tensor prepare_operand(const at::Tensor& t, long long Kp) {
 
 struct Descs;
 struct Plan {
-  cublasLtMatmulAlgo_t algo;
+  cublasLtMatmulAlgo_t algo;  // heuristic top-1 until tuned
   bool bias_fused;
+  bool tuned;  // algo final: timed, or autotuning off, or a single candidate
   std::shared_ptr<Descs> ds;  // kept per shape: only the pointers change per call
 };
 
@@ -116,6 +150,7 @@ struct Descs {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulPreference_t pref = nullptr;
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // usable heuristic results, in order; [0] is the top-1
   ~Descs() {
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (d) cublasLtMatrixLayoutDestroy(d);
@@ -151,6 +186,120 @@ void make_descs(Descs& ds, cudaDataType_t ta, cudaDataType_t tb, cudaDataType_t 
   size_t ws = kWorkspaceBytes;
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(ds.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                               &ws, sizeof(ws)));
+}
+
+// Switches this thread to relaxed stream-capture mode for its lifetime, so the
+// event synchronization of the timing below is legal even while another
+// thread captures a graph in global mode (PyTorch does the same around its
+// allocations).
+struct RelaxedCaptureMode {
+  cudaStreamCaptureMode prev = cudaStreamCaptureModeRelaxed;
+  bool ok;
+  RelaxedCaptureMode() { ok = cudaThreadExchangeStreamCaptureMode(&prev) == cudaSuccess; }
+  ~RelaxedCaptureMode() {
+    if (ok) cudaThreadExchangeStreamCaptureMode(&prev);
+  }
+};
+
+// True when `stream` is capturing a CUDA graph (or its state cannot be read:
+// then we behave as under capture and do not time).
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return cs != cudaStreamCaptureStatusNone;
+}
+
+// Mean milliseconds of one GEMM with `algo`: `warm` untimed launches, then
+// `reps` launches between two events on `stream`. Negative when a launch or
+// an event call failed (the error is cleared; the candidate is skipped).
+float time_algo(cublasLtHandle_t h, Descs& ds, const cublasLtMatmulAlgo_t& algo, const void* A, const void* B,
+                void* D, void* ws, cudaStream_t stream, cudaEvent_t e0, cudaEvent_t e1, int warm, int reps) {
+  const float alpha = 1.0f, beta = 0.0f;
+  auto launch = [&]() {
+    return cublasLtMatmul(h, ds.op, &alpha, A, ds.a, B, ds.b, &beta, D, ds.d, D, ds.d, &algo, ws, kWorkspaceBytes,
+                          stream) == CUBLAS_STATUS_SUCCESS &&
+           cudaPeekAtLastError() == cudaSuccess;
+  };
+  bool ok = true;
+  for (int i = 0; i < warm && ok; ++i) ok = launch();
+  ok = ok && cudaEventRecord(e0, stream) == cudaSuccess;
+  for (int i = 0; i < reps && ok; ++i) ok = launch();
+  ok = ok && cudaEventRecord(e1, stream) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess;
+  float ms = -1.0f;
+  ok = ok && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess;
+  if (!ok) {
+    (void)cudaGetLastError();
+    cudaStreamSynchronize(stream);  // let anything already queued finish before the next candidate
+    (void)cudaGetLastError();
+    return -1.0f;
+  }
+  return ms / reps;
+}
+
+int algo_attr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  uint32_t v = 0;  // every attribute printed below is a 32-bit integer (or smaller)
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) return -1;
+  return (int)v;
+}
+
+// Times the plan's candidates on this call's operands (D = the call's out) and
+// keeps the fastest in p.algo. Two rounds: every candidate once (1 warm-up, 3
+// timed), then the 4 fastest plus the top-1, interleaved, 3 x 2 timed runs
+// each, so that clock drift does not favour one. The top-1 stays unless
+// another is faster by more than 0.5%. Synchronizes the stream: never call
+// under graph capture.
+void tune_plan(Plan& p, cublasLtHandle_t h, const void* A, const void* B, void* D, void* ws, cudaStream_t stream,
+               long long M, long long N, long long K) {
+  p.tuned = true;  // whatever happens below, tune once
+  const std::vector<cublasLtMatmulAlgo_t>& c = p.ds->candidates;
+  const int n = (int)c.size();
+  if (n <= 1) return;
+  RelaxedCaptureMode relaxed;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (e0) cudaEventDestroy(e0);
+    return;
+  }
+  std::vector<float> t1(n, -1.0f);
+  for (int i = 0; i < n; ++i) t1[i] = time_algo(h, *p.ds, c[i], A, B, D, ws, stream, e0, e1, 1, 3);
+  std::vector<int> fin;
+  if (t1[0] >= 0) fin.push_back(0);
+  {
+    std::vector<int> order;
+    for (int i = 1; i < n; ++i)
+      if (t1[i] >= 0) order.push_back(i);
+    std::sort(order.begin(), order.end(), [&](int x, int y) { return t1[x] < t1[y]; });
+    for (size_t j = 0; j < order.size() && j < 4; ++j) fin.push_back(order[j]);
+  }
+  std::vector<float> t2(n, 0.0f);
+  for (int r = 0; r < 3; ++r)
+    for (int i : fin) {
+      if (t2[i] < 0) continue;
+      const float t = time_algo(h, *p.ds, c[i], A, B, D, ws, stream, e0, e1, 0, 2);
+      t2[i] = t < 0 ? -1.0f : t2[i] + t / 3;
+    }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  int best = -1;
+  for (int i : fin)
+    if (t2[i] > 0 && (best < 0 || t2[i] < t2[best])) best = i;
+  if (best < 0) return;  // nothing timed: keep the top-1
+  if (best != 0 && t2[0] > 0 && t2[0] <= t2[best] * 1.005f) best = 0;
+  p.algo = c[best];
+  if (autotune_log()) {
+    std::fprintf(stderr,
+                 "torch_ops gemm autotune: M=%lld N=%lld K=%lld: %d candidates, top-1 %.4f ms, chosen #%d %.4f ms "
+                 "(%.1f%%; algo id %d tile %d stages %d split-k %d)\n",
+                 M, N, K, n, t2[0], best, t2[best], t2[0] > 0 ? 100.0 * (t2[0] / t2[best] - 1.0) : 0.0,
+                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_ID), algo_attr(c[best], CUBLASLT_ALGO_CONFIG_TILE_ID),
+                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_SPLITK_NUM));
+  }
 }
 
 at::Tensor fallback_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
@@ -224,19 +373,25 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
     }
   }
   if (!have) {
+    const int want = autotune_enabled() ? kMaxCandidates : 1;
     for (int attempt = 0; attempt < 2 && !have; ++attempt) {
       const bool fused = want_bias_fused && attempt == 0;
       if (attempt == 1 && !want_bias_fused) break;
       auto ds = std::make_shared<Descs>();
       make_descs(*ds, ta, tb, td, M, N, Kp, lda, ldb, ldd, fast_accum, sa, sb, fused ? bias->data_ptr() : nullptr,
                  tbias);
-      cublasLtMatmulHeuristicResult_t res;
+      cublasLtMatmulHeuristicResult_t res[kMaxCandidates];
       int count = 0;
       cublasStatus_t st =
-          cublasLtMatmulAlgoGetHeuristic(handle, ds->op, ds->a, ds->b, ds->d, ds->d, ds->pref, 1, &res, &count);
-      if (st == CUBLAS_STATUS_SUCCESS && count > 0) {
-        plan.algo = res.algo;
+          cublasLtMatmulAlgoGetHeuristic(handle, ds->op, ds->a, ds->b, ds->d, ds->d, ds->pref, want, res, &count);
+      if (st != CUBLAS_STATUS_SUCCESS) continue;
+      for (int i = 0; i < count; ++i)
+        if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= kWorkspaceBytes)
+          ds->candidates.push_back(res[i].algo);
+      if (!ds->candidates.empty()) {
+        plan.algo = ds->candidates[0];
         plan.bias_fused = fused;
+        plan.tuned = ds->candidates.size() == 1;
         plan.ds = ds;
         have = true;
       }
@@ -246,16 +401,38 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
       return fallback_gemm(a_in, b_in, scale_a, scale_b, bias, od);
     }
     std::lock_guard<std::mutex> lk(g_mu);
-    g_plans[key] = plan;
+    plan = g_plans.emplace(key, plan).first->second;  // another thread may have made it first
   }
 
   const float alpha = 1.0f, beta = 0.0f;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   void* ws = lt_workspace(a, stream);
+  // Not tuned yet: time the candidates now unless the stream is capturing a
+  // graph (then this call, and the graph, use the top-1; a later call outside
+  // capture tunes the plan).
+  const bool tune_now = !plan.tuned && !stream_capturing(stream);
   {
     // The cached descriptor is shared by every call of this shape: set this
     // call's scale and bias pointers and enqueue under the lock.
     std::lock_guard<std::mutex> lk(g_mu);
+    if (tune_now) {
+      Plan& p = g_plans[key];  // references into an unordered_map stay valid
+      if (!p.tuned) {
+        // This call's pointers on the descriptor first: candidates run on the real operands.
+        Descs& ds = *p.ds;
+        TORCH_OPS_CUBLAS_CHECK(
+            cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
+        TORCH_OPS_CUBLAS_CHECK(
+            cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
+        if (p.bias_fused) {
+          const void* bp = bias->data_ptr();
+          TORCH_OPS_CUBLAS_CHECK(
+              cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+        }
+        tune_plan(p, handle, b.data_ptr(), a.data_ptr(), out.data_ptr(), ws, stream, M, N, Kp);
+      }
+      plan = p;
+    }
     Descs& ds = *plan.ds;
     TORCH_OPS_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
