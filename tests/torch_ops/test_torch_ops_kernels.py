@@ -215,6 +215,74 @@ class GemmKernelTest(parameterized.TestCase):
         tol = {torch.float32: 2e-3, torch.bfloat16: 8e-3, torch.float16: 4e-3}[out_dtype]
         self.assertLess(relerr(out, ref), tol)
 
+    # Shapes used by no other test in this process: their first call makes the
+    # plan (and, with TORCH_OPS_GEMM_AUTOTUNE on, the default, times the
+    # cuBLASLt candidates on these operands before the real GEMM).
+    @parameterized.parameters(((3001, 2049, 1000), torch.bfloat16, False), ((2048, 4096, 6144), torch.bfloat16, True),
+                              ((2048, 4096, 6144), torch.float32, False))
+    def test_autotuned_gemm_matches_emulation(self, mkn, out_dtype, fast):
+        M, K, N = mkn
+        a = rand((M, K), torch.float32, scale=2.0, special=False, seed=11).to(E4M3)
+        b = rand((N, K), torch.float32, scale=2.0, special=False, seed=12).to(E5M2 if not fast else E4M3)
+        sa, sb = torch.tensor(0.37, device=DEV), torch.tensor(1.9, device=DEV)
+        ref = emu.fp8_gemm(a, b, sa, sb, out_dtype=torch.float32)
+        tol = {torch.float32: 2e-3, torch.bfloat16: 8e-3}[out_dtype]
+        for _ in range(2):  # first call: tunes, then runs; second: the cached plan
+            poison()
+            out = torch_ops.fp8_gemm(a, b, sa, sb, out_dtype=out_dtype, use_fast_accum=fast)
+            self.assertEqual(tuple(out.shape), (M, N))
+            self.assertFalse(bool(torch.isnan(out).any()))
+            self.assertLess(relerr(out, ref), tol)
+
+    def test_gemm_first_call_inside_cuda_graph(self):
+        """A plan first made under graph capture: no timing there (top-1), the
+        graph replays right, a later eager call tunes the plan, and the
+        captured graph still replays right afterwards."""
+        M, K, N = 1200, 784, 1520  # used by no other test: the capture makes the plan
+        a = rand((M, K), torch.float32, scale=2.0, special=False, seed=13).to(E4M3)
+        b = rand((N, K), torch.float32, scale=2.0, special=False, seed=14).to(E4M3)
+        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(1.25, device=DEV)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = torch_ops.fp8_gemm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=False)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        self.assertLess(relerr(out, emu.fp8_gemm(a, b, sa, sb, out_dtype=torch.float32)), 8e-3)
+        eager = torch_ops.fp8_gemm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=False)  # tunes now
+        self.assertLess(relerr(eager, emu.fp8_gemm(a, b, sa, sb, out_dtype=torch.float32)), 8e-3)
+        a.copy_(rand((M, K), torch.float32, scale=2.0, special=False, seed=15).to(E4M3))
+        sa.fill_(0.75)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        self.assertLess(relerr(out, emu.fp8_gemm(a, b, sa, sb, out_dtype=torch.float32)), 8e-3)
+
+    def test_gemm_autotune_off_matches_emulation(self):
+        """TORCH_OPS_GEMM_AUTOTUNE=0 (read once per process): a fresh process."""
+        import os
+        import subprocess
+        import sys
+
+        code = (
+            "import torch, torch_ops\n"
+            "from torch_ops import emulation as emu\n"
+            "g = torch.Generator(device='cuda').manual_seed(0)\n"
+            "a = (torch.randn(3001, 2049, generator=g, device='cuda') * 2).to(torch.float8_e4m3fn)\n"
+            "b = (torch.randn(1000, 2049, generator=g, device='cuda') * 2).to(torch.float8_e4m3fn)\n"
+            "s = torch.tensor(0.5, device='cuda')\n"
+            "out = torch_ops.fp8_gemm(a, b, s, s, out_dtype=torch.bfloat16, use_fast_accum=True)\n"
+            "ref = emu.fp8_gemm(a, b, s, s, out_dtype=torch.float32).double()\n"
+            "print('relerr', ((out.double() - ref).norm() / ref.norm()).item())\n"
+        )
+        env = dict(os.environ, TORCH_OPS_GEMM_AUTOTUNE="0")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        err = float(r.stdout.split("relerr")[-1])
+        self.assertLess(err, 8e-3)
+
     def test_gemm_non_contiguous_and_offset_inputs(self):
         a = rand((40, 48), torch.float32, scale=2.0, special=False).to(E4M3)
         b = rand((24, 48), torch.float32, scale=2.0, special=False, seed=5).to(E4M3)
