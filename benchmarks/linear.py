@@ -9,11 +9,16 @@ timed iterations (CUDA events around each iteration, after warm-up) on random
 data; x, weight and the output gradient are bf16, x requires grad (a layer in
 the middle of a network). Prints one table per shape, pasteable into
 docs/benchmarks.md.
+
+The cuBLASLt GEMM algorithm choice follows TORCH_OPS_GEMM_AUTOTUNE (csrc/gemm.cpp,
+read once per process; default on): run once with TORCH_OPS_GEMM_AUTOTUNE=0 to
+compare with the heuristic's top-1 (what torch._scaled_mm uses).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -85,6 +90,28 @@ def scaled_mm_floor(M, K, N):
     return step
 
 
+def ours_gemms(M, K, N):
+    """The three torch_ops.fp8_gemm calls of one fp8_linear step on pre-quantized
+    operands in our layouts (K contiguous): forward (fast accumulation), dgrad,
+    wgrad (split accumulation). The GEMM share of our step, next to the floor."""
+    dev = "cuda"
+    e4, e5, bf16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+    s = torch.ones((), device=dev)
+    xq = torch.randn(M, K, device=dev).to(e4)
+    wq = torch.randn(N, K, device=dev).to(e4)
+    gq = torch.randn(M, N, device=dev).to(e5)
+    wq_t = torch.randn(K, N, device=dev).to(e4)
+    gq_t = torch.randn(N, M, device=dev).to(e5)
+    xq_t = torch.randn(K, M, device=dev).to(e4)
+
+    def step():
+        torch_ops.fp8_gemm(xq, wq, s, s, out_dtype=bf16, use_fast_accum=True)
+        torch_ops.fp8_gemm(gq, wq_t, s, s, out_dtype=bf16, use_fast_accum=False)
+        torch_ops.fp8_gemm(gq_t, xq_t, s, s, out_dtype=bf16, use_fast_accum=False)
+
+    return step
+
+
 def run_shape(M, K, N, iters, use_torchao):
     dev = "cuda"
     torch.manual_seed(0)
@@ -114,6 +141,8 @@ def run_shape(M, K, N, iters, use_torchao):
 
     t_floor = bench(scaled_mm_floor(M, K, N), iters)
     rows.append(("floor: 3x torch._scaled_mm", t_floor))
+    t_gemms = bench(ours_gemms(M, K, N), iters)
+    rows.append(("ours: 3x torch_ops.fp8_gemm (fp8 operands ready)", t_gemms))
 
     from torch_ops import _ops
 
@@ -152,7 +181,7 @@ def run_shape(M, K, N, iters, use_torchao):
         rows.append(("torch_ops.fp8_linear default, CUDA graph", t_ours_g))
     except Exception as e:  # noqa: BLE001
         rows.append((f"CUDA graph: {type(e).__name__}: {str(e)[:60]}", None))
-    return rows, dict(bf16=t_bf16, torchao=t_ao, floor=t_floor, ours_fp8=t_ours_fp8, ours=t_ours,
+    return rows, dict(bf16=t_bf16, torchao=t_ao, floor=t_floor, gemms=t_gemms, ours_fp8=t_ours_fp8, ours=t_ours,
                       bf16_g=t_bf16_g, ours_g=t_ours_g)
 
 
@@ -166,7 +195,8 @@ def main(argv=None):
     shapes = SHAPES if a.shapes is None else [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     props = torch.cuda.get_device_properties(0)
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {props.name}; torch {torch.__version__}; "
-          f"CUDA {torch.version.cuda}; min_gemm_size default {torch_ops.DEFAULT_MIN_GEMM_SIZE}")
+          f"CUDA {torch.version.cuda}; min_gemm_size default {torch_ops.DEFAULT_MIN_GEMM_SIZE}; "
+          f"TORCH_OPS_GEMM_AUTOTUNE={os.environ.get('TORCH_OPS_GEMM_AUTOTUNE', '1 (default)')}")
     summary = []
     for (M, K, N) in shapes:
         use_ao = not a.no_torchao and (a.torchao_shapes == "all" or
@@ -183,14 +213,15 @@ def main(argv=None):
         summary.append(((M, K, N), t))
         sys.stdout.flush()
     print("\n### summary (ms; ratios within this run)\n")
-    print("| M x K x N | bf16 | torchao | floor | ours FP8 | ours default | ours/bf16 | ours vs torchao | ours/floor "
-          "| graph: bf16 | graph: ours | graph: ours/bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| M x K x N | bf16 | torchao | floor | ours GEMMs | ours FP8 | ours default | ours/bf16 | ours vs torchao "
+          "| ours/floor | GEMMs/floor | graph: bf16 | graph: ours | graph: ours/bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (M, K, N), t in summary:
         ao = f"{t['torchao']:.3f}" if t["torchao"] else "-"
         vs_ao = f"{t['torchao'] / t['ours']:.2f}x" if t["torchao"] else "-"
-        print(f"| {M}x{K}x{N} | {t['bf16']:.3f} | {ao} | {t['floor']:.3f} | {t['ours_fp8']:.3f} | {t['ours']:.3f} "
-              f"| {t['bf16'] / t['ours']:.2f}x | {vs_ao} | {t['ours_fp8'] / t['floor']:.2f} "
+        print(f"| {M}x{K}x{N} | {t['bf16']:.3f} | {ao} | {t['floor']:.3f} | {t['gemms']:.3f} | {t['ours_fp8']:.3f} "
+              f"| {t['ours']:.3f} | {t['bf16'] / t['ours']:.2f}x | {vs_ao} | {t['ours_fp8'] / t['floor']:.2f} "
+              f"| {t['gemms'] / t['floor']:.2f} "
               + (f"| {t['bf16_g']:.3f} | {t['ours_g']:.3f} | {t['bf16_g'] / t['ours_g']:.2f}x |" if t["ours_g"]
                  else "| - | - | - |"))
 
