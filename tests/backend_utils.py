@@ -96,3 +96,16 @@ def fp8_bytes(q):
 
         return q.detach().cpu().view(torch.uint8).numpy()
     return np.asarray(q).view(np.uint8)
+
+
+def subprocess_env(**overrides):
+    """The environment for a Python subprocess of a test: this repository
+    first on `PYTHONPATH`, the caller's entries kept (on the GPU machine Keras
+    itself comes from `PYTHONPATH`), plus `overrides`."""
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [repo] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
+    ]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **overrides)

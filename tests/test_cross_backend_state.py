@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from tests.backend_utils import rng_normal
+from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
 from tests.backend_utils import train_call_with_grads
 
@@ -48,8 +49,7 @@ def test_torch_and_jax_states_are_bit_identical(tmp_path):
         "from tests.test_cross_backend_state import run_steps\n"
         f"np.savez({out!r}, **run_steps({policy!r}))\n"
     )
-    env = dict(os.environ, KERAS_BACKEND=other, PYTHONPATH=_REPO,
-               TORCH_OPS_FP8_MIN_GEMM_SIZE="0")
+    env = subprocess_env(KERAS_BACKEND=other, TORCH_OPS_FP8_MIN_GEMM_SIZE="0")
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=_REPO)
     theirs = dict(np.load(out))
     ours = run_steps(policy)

@@ -8,6 +8,7 @@ import pytest
 import keras_fp8
 from tests import reference
 from tests.backend_utils import rng_normal
+from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
 
 pytestmark = pytest.mark.skipif(
@@ -105,7 +106,7 @@ def test_jax_and_torch_emulations_quantize_identically(tmp_path):
         f"    np.save({str(tmp_path)!r} + '/' + fmt + '.npy', fp8_bytes(scaling.quantize(x, np.float32({float(scale)!r}), fmt)))\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=repo)
+    env = subprocess_env(KERAS_BACKEND="torch")
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=repo)
     for fmt in ("e4m3", "e5m2"):
         np.testing.assert_array_equal(np.load(tmp_path / f"{fmt}.npy"), ours[fmt])
@@ -117,9 +118,7 @@ def test_bad_gemm_output_setting_is_named():
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = [repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, KERAS_BACKEND="jax", KERAS_FP8_JAX_GEMM_OUTPUT="bfloat16",
-               PYTHONPATH=os.pathsep.join(path))
+    env = subprocess_env(KERAS_BACKEND="jax", KERAS_FP8_JAX_GEMM_OUTPUT="bfloat16")
     result = subprocess.run(
         [sys.executable, "-c", "import keras_fp8.backends.jax"],
         capture_output=True, text=True, env=env, cwd=repo,

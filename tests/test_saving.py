@@ -13,6 +13,7 @@ import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from tests.backend_utils import rng_normal
+from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,8 +98,7 @@ class SavingTest(parameterized.TestCase):
             f"np.save({os.path.join(workdir, 'pred.npy')!r}, "
             "np.asarray(m.predict(x, verbose=0)).astype(np.float32))\n"
         )
-        path = [_REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        env = dict(os.environ, KERAS_BACKEND=other, PYTHONPATH=os.pathsep.join(path))
+        env = subprocess_env(KERAS_BACKEND=other)
         subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=_REPO)
 
         keras.mixed_precision.set_global_policy("float32")

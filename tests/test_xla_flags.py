@@ -9,8 +9,7 @@ from unittest import mock
 from absl.testing import parameterized
 
 from keras_fp8 import xla_flags
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.backend_utils import subprocess_env
 
 
 def _env(**values):
@@ -72,10 +71,8 @@ class ConfigureTest(parameterized.TestCase):
             "import os, keras_fp8, jax.numpy as jnp; "
             "jnp.ones(2).block_until_ready(); print(os.environ['XLA_FLAGS'])"
         )
-        env = _env(KERAS_BACKEND="jax")
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_REPO, env.get("PYTHONPATH")) if p
-        )
+        env = subprocess_env(KERAS_BACKEND="jax")
+        env.pop("XLA_FLAGS", None)
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True,
             text=True, check=True, timeout=120,
