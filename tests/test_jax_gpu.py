@@ -110,3 +110,20 @@ def test_gpu_matches_emulation_within_fp8_tolerance():
         jax_backend.fp8_gemm_supported = original
     error = np.linalg.norm(y_gpu - y_emu) / np.linalg.norm(y_emu)
     assert error < 1e-2, error
+
+
+def test_tiny_products_stay_finite_and_exact():
+    # A 4x16 -> 8 layer: its weight-gradient product (16x4 @ 4x8) is below
+    # XLA's GEMM rewrite threshold, where XLA's loop emitter would multiply
+    # the FP8 operands in FP8 (inf/NaN); keras_fp8 upcasts it instead.
+    import jax
+    import jax.numpy as jnp
+
+    keras.mixed_precision.set_global_policy("fp8_hybrid[history_len=8]")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras_fp8.layers.FP8Dense(8)])
+    x = jnp.asarray(rng_normal((4, 16), 0, 2.0))
+    upstream = rng_normal((4, 8), 1)
+    _, ((_, _), grads) = _compiled_train_step_text(model, x, upstream)
+    for variable, grad in zip(model.trainable_variables, grads[0]):
+        assert np.all(np.isfinite(np.asarray(grad, np.float32))), variable.path

@@ -125,3 +125,16 @@ def test_bad_gemm_output_setting_is_named():
     )
     assert result.returncode != 0
     assert "KERAS_FP8_JAX_GEMM_OUTPUT: expected 'float32' or 'compute'" in result.stderr
+
+
+def test_small_products_are_upcast(monkeypatch):
+    from keras_fp8.backends import jax as jax_backend
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert jax_backend.is_small_dot(16, 4, 8)
+    assert jax_backend.is_small_dot(64, 64, 64)
+    assert not jax_backend.is_small_dot(256, 80, 96)
+    monkeypatch.setenv(
+        "XLA_FLAGS", "--xla_gpu_gemm_rewrite_size_threshold=100000 --foo=1"
+    )
+    assert jax_backend.is_small_dot(256, 80, 96)

@@ -50,8 +50,37 @@ if GEMM_OUTPUT not in ("float32", "compute"):
     )
 
 
+def _rewrite_size_threshold():
+    """XLA's `xla_gpu_gemm_rewrite_size_threshold` as set in `XLA_FLAGS`
+    (default 100)."""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.lstrip("-").partition("=")
+        if name == "xla_gpu_gemm_rewrite_size_threshold" and value.isdigit():
+            return int(value)
+    return 100
+
+
+# XLA leaves a dot whose two operand matrices hold fewer than
+# `xla_gpu_gemm_rewrite_size_threshold` elements to its loop emitter, which
+# multiplies in the operand type: FP8 operands then overflow (the products of
+# a delayed-scaled E4M3 and E5M2 value exceed both formats' range) and the
+# result holds inf and NaN. Below this many operand elements (or XLA's
+# threshold, if larger) the operands are upcast to float32 first, which is
+# exact (the emulation's product); FP8 buys nothing at such sizes.
+SMALL_DOT_ELEMENTS = 16384
+
+
+def is_small_dot(m, k, n):
+    """Whether an `(m, k) @ (k, n)` FP8 product runs upcast (see
+    `SMALL_DOT_ELEMENTS`)."""
+    return m * k + k * n < max(SMALL_DOT_ELEMENTS, _rewrite_size_threshold())
+
+
 def _xla_fp8_matmul(a_q, b_q, scale, out_dtype):
-    """`(a_q @ b_q) * scale` with FP8 operands handed to XLA directly."""
+    """`(a_q @ b_q) * scale` with FP8 operands handed to XLA directly
+    (upcast to float32 for the small products of `is_small_dot`)."""
+    if is_small_dot(a_q.shape[0], a_q.shape[1], b_q.shape[1]):
+        return emulation.scaled_matmul(a_q, b_q, scale, out_dtype)
     out_dtype = jnp.dtype(out_dtype)
     narrow = GEMM_OUTPUT == "compute" and out_dtype.itemsize < 4
     product = jax.lax.dot_general(
