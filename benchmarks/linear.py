@@ -6,7 +6,10 @@ torch_ops.fp8_linear (delayed scaling, hybrid E4M3/E5M2).
 
 Shapes are M x K x N (tokens x in x out). Times are the median over --iters
 timed iterations (CUDA events around each iteration, after warm-up) on random
-data; x, weight and the output gradient are bf16, x requires grad (a layer in
+data, taken side by side: --rounds rounds in each of which every variant runs
+its share of the iterations in turn, so drifts of the GPU's clocks and power
+fall on all variants alike (one variant after the other, two runs of the same
+code differed by up to 17%); x, weight and the output gradient are bf16, x requires grad (a layer in
 the middle of a network). Prints one table per shape, pasteable into
 docs/benchmarks.md.
 
@@ -26,7 +29,7 @@ import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
 import torch_ops  # noqa: E402
-from benchmarks.timing import cuda_graph_median_ms, cuda_median_ms  # noqa: E402
+from benchmarks.timing import cuda_graph_median_ms, interleaved_median_ms  # noqa: E402
 
 SHAPES = [
     (16384, 4096, 4096),
@@ -37,10 +40,6 @@ SHAPES = [
     (1024, 2048, 1024),
 ]
 LARGE = {(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)}
-
-
-def bench(fn, iters=30, warmup=5):
-    return cuda_median_ms(fn, iters, warmup)
 
 
 def bench_graph(step, iters=20):
@@ -112,17 +111,36 @@ def ours_gemms(M, K, N):
     return step
 
 
-def run_shape(M, K, N, iters, use_torchao):
+def _with_attr(module, name, value, fn):
+    """`fn` run with `module.name = value` (restored after each call)."""
+
+    def step():
+        old = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            fn()
+        finally:
+            setattr(module, name, old)
+
+    return step
+
+
+def run_shape(M, K, N, iters, use_torchao, rounds=5):
+    """Times every variant of one shape side by side (`interleaved_median_ms`:
+    `rounds` rounds of `iters // rounds` iterations each, so clock and power
+    drifts fall on all variants alike), then the CUDA-graph replays."""
+    from torch_ops import _ops
+    from torch_ops import linear as _lin
+
     dev = "cuda"
     torch.manual_seed(0)
-    rows = []
     lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
-    t_bf16 = bench(fwd_bwd(lin, x, gy), iters)
-    rows.append(("bf16 nn.Linear", t_bf16))
-
-    t_ao = None
+    small = M * N * K < torch_ops.DEFAULT_MIN_GEMM_SIZE
+    backend = _ops.GEMM_BACKEND
+    variants = {"bf16 nn.Linear": ("bf16", fwd_bwd(lin, x, gy))}
+    notes = []
     if use_torchao:
         try:
             import copy
@@ -131,64 +149,48 @@ def run_shape(M, K, N, iters, use_torchao):
 
             m = torch.nn.Sequential(copy.deepcopy(lin))
             convert_to_float8_training(m)
-            m = torch.compile(m)
-            t_ao = bench(fwd_bwd(m, x, gy), iters, warmup=3)
-            rows.append(("torchao Float8Linear tensorwise (compiled)", t_ao))
+            variants["torchao Float8Linear tensorwise (compiled)"] = ("torchao", fwd_bwd(torch.compile(m), x, gy))
         except Exception as e:  # noqa: BLE001
-            rows.append((f"torchao: {type(e).__name__}: {str(e)[:60]}", None))
+            notes.append((f"torchao: {type(e).__name__}: {str(e)[:60]}", None))
     else:
-        rows.append(("torchao: not run", None))
-
-    t_floor = bench(scaled_mm_floor(M, K, N), iters)
-    rows.append(("floor: 3x torch._scaled_mm", t_floor))
-    t_gemms = bench(ours_gemms(M, K, N), iters)
-    rows.append(("ours: 3x torch_ops.fp8_gemm (fp8 operands ready)", t_gemms))
-
-    from torch_ops import _ops
-
-    backend = _ops.GEMM_BACKEND
-    ours_fp8 = OursLinear(lin, min_gemm_size=0)
-    t_ours_fp8 = bench(fwd_bwd(ours_fp8, x, gy), iters)
-    rows.append((f"torch_ops.fp8_linear, FP8 GEMMs forced ({backend})", t_ours_fp8))
-    if backend == "cublaslt":
-        _ops.GEMM_BACKEND = "scaled_mm"  # the same op with torch._scaled_mm as the GEMM, for comparison
-        try:
-            t_sm = bench(fwd_bwd(OursLinear(lin, min_gemm_size=0), x, gy), iters)
-            rows.append(("torch_ops.fp8_linear, FP8 GEMMs forced (torch._scaled_mm)", t_sm))
-        finally:
-            _ops.GEMM_BACKEND = backend
-    t_ours_bf16 = bench(fwd_bwd(OursLinear(lin, min_gemm_size=1 << 62), x, gy), iters)
-    rows.append(("torch_ops.fp8_linear, bf16 GEMMs forced (FP8 state kept)", t_ours_bf16))
-    ours = OursLinear(lin)
-    t_ours = bench(fwd_bwd(ours, x, gy), iters)
-    small = M * N * K < torch_ops.DEFAULT_MIN_GEMM_SIZE
-    rows.append((f"torch_ops.fp8_linear, default ({'bf16 GEMMs' if small else 'FP8 GEMMs'})", t_ours))
+        notes.append(("torchao: not run", None))
+    variants["floor: 3x torch._scaled_mm"] = ("floor", scaled_mm_floor(M, K, N))
+    variants["ours: 3x torch_ops.fp8_gemm (fp8 operands ready)"] = ("gemms", ours_gemms(M, K, N))
+    variants[f"torch_ops.fp8_linear, FP8 GEMMs forced ({backend})"] = (
+        "ours_fp8", fwd_bwd(OursLinear(lin, min_gemm_size=0), x, gy))
+    if backend == "cublaslt":  # the same op with torch._scaled_mm as the GEMM, for comparison
+        variants["torch_ops.fp8_linear, FP8 GEMMs forced (torch._scaled_mm)"] = (
+            "ours_sm", _with_attr(_ops, "GEMM_BACKEND", "scaled_mm",
+                                  fwd_bwd(OursLinear(lin, min_gemm_size=0), x, gy)))
+    variants["torch_ops.fp8_linear, bf16 GEMMs forced (FP8 state kept)"] = (
+        "ours_bf16", fwd_bwd(OursLinear(lin, min_gemm_size=1 << 62), x, gy))
+    variants[f"torch_ops.fp8_linear, default ({'bf16 GEMMs' if small else 'FP8 GEMMs'})"] = (
+        "ours", fwd_bwd(OursLinear(lin), x, gy))
     if small:  # host-time comparison: the same call without the C++ fast path
-        from torch_ops import linear as _lin
-
-        _lin.FAST_PATH = False
-        try:
-            rows.append(("torch_ops.fp8_linear, default, Python path (no C++ fast path)",
-                         bench(fwd_bwd(OursLinear(lin), x, gy), iters)))
-        finally:
-            _lin.FAST_PATH = True
+        variants["torch_ops.fp8_linear, default, Python path (no C++ fast path)"] = (
+            "ours_py", _with_attr(_lin, "FAST_PATH", False, fwd_bwd(OursLinear(lin), x, gy)))
+    per_round = max(1, iters // rounds)
+    medians = interleaved_median_ms({name: fn for name, (_, fn) in variants.items()}, rounds, per_round)
+    rows = [(name, medians[name]) for name in variants] + notes
+    t = {key: medians[name] for name, (key, _) in variants.items()}
+    t.setdefault("torchao", None)
     # Same steps replayed from CUDA graphs: GPU time without host overhead.
-    t_bf16_g = t_ours_g = None
+    t["bf16_g"] = t["ours_g"] = None
     try:
-        t_bf16_g = bench_graph(fwd_bwd(lin, x, gy), iters)
-        rows.append(("bf16 nn.Linear, CUDA graph", t_bf16_g))
-        t_ours_g = bench_graph(fwd_bwd(OursLinear(lin), x, gy), iters)
-        rows.append(("torch_ops.fp8_linear default, CUDA graph", t_ours_g))
+        t["bf16_g"] = bench_graph(fwd_bwd(lin, x, gy), iters)
+        rows.append(("bf16 nn.Linear, CUDA graph", t["bf16_g"]))
+        t["ours_g"] = bench_graph(fwd_bwd(OursLinear(lin), x, gy), iters)
+        rows.append(("torch_ops.fp8_linear default, CUDA graph", t["ours_g"]))
     except Exception as e:  # noqa: BLE001
         rows.append((f"CUDA graph: {type(e).__name__}: {str(e)[:60]}", None))
-    return rows, dict(bf16=t_bf16, torchao=t_ao, floor=t_floor, gemms=t_gemms, ours_fp8=t_ours_fp8, ours=t_ours,
-                      bf16_g=t_bf16_g, ours_g=t_ours_g)
+    return rows, t
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=None)
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=int, default=30, help="timed iterations per variant (split over --rounds)")
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--torchao-shapes", default="large", help="'large' (the 3 target shapes), 'all' or 'none'")
     a = p.parse_args(argv)
@@ -201,7 +203,7 @@ def main(argv=None):
     for (M, K, N) in shapes:
         use_ao = not a.no_torchao and (a.torchao_shapes == "all" or
                                        (a.torchao_shapes == "large" and (M, K, N) in LARGE))
-        rows, t = run_shape(M, K, N, a.iters, use_ao)
+        rows, t = run_shape(M, K, N, a.iters, use_ao, a.rounds)
         print(f"\n### {M} x {K} x {N} (M x K x N), forward + backward\n")
         print("| variant | ms | speed-up over bf16 |")
         print("|---|---|---|")

@@ -43,3 +43,35 @@ def cuda_graph_median_ms(fn, iters=20, warmup=3, per_graph=1):
     graph.replay()
     torch.cuda.synchronize()
     return cuda_median_ms(graph.replay, iters, warmup) / per_graph
+
+
+def interleaved_median_ms(fns, rounds=5, iters=6, warmup=3):
+    """`cuda_median_ms` for several functions measured side by side.
+
+    Each of `rounds` rounds times every function `iters` times in turn, so
+    slow drifts of the GPU (clocks, power, temperature) fall on all of them
+    alike; the result is each function's median over its `rounds * iters`
+    samples.
+
+    Args:
+        fns: Dict from name to a function of no arguments.
+
+    Returns:
+        Dict from name to median milliseconds.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(iters):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end))
+    return {name: statistics.median(times) for name, times in samples.items()}
