@@ -18,6 +18,10 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   const std::vector<at::Tensor>& state, int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo,
                   bool in_out, bool training, const c10::optional<at::Tensor>& sink, int64_t min_gemm_size);
+at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                         const at::Tensor& pending, const at::Tensor& fold_state, const std::vector<at::Tensor>& state,
+                         int64_t grad_fmt, double mdiv, int64_t algo, int64_t window, bool in_out, bool training,
+                         int64_t min_gemm_size);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state,
                                                               const at::Tensor& history, const at::Tensor& scale,
                                                               double inv_max, double mdiv, int algo,
@@ -128,7 +132,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("record_amax", &record_amax, "history, scale, amax, fmt, mdiv, algo, skip_zero");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
   m.def("linear", &torch_ops::linear,
-        "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out");
+        "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "
+        "(None: a tensor is not plain, take the Python path)");
+  m.def("linear_folded", &torch_ops::linear_folded,
+        "x, weight, bias, pending, fold_state, state[6], grad_fmt, mdiv, algo, window, in_out, training, "
+        "min_gemm_size -> out (None: a tensor is not plain)");
   m.def("fold_grad_amax", &torch_ops::fold_grad_amax,
         "pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale -> (token, scale, history)");
 }

@@ -72,6 +72,18 @@ __global__ void fold_grad_amax_kernel(const float* __restrict__ pending, float* 
   token_out[0] = new_folds + 1.0f;
 }
 
+// The gradient-channel value of one backward: out[0] holds the gradient's
+// amax and becomes 0 where it is not finite; a (3,) out gets [., token, 0]
+// (token 0 when none was emitted).
+__global__ void emit_pending_grad_kernel(float* __restrict__ out, const float* __restrict__ token, int n) {
+  const float a = out[0];
+  out[0] = isfinite(a) ? a : 0.0f;
+  if (n == 3) {
+    out[1] = token ? token[0] : 0.0f;
+    out[2] = 0.0f;
+  }
+}
+
 void check_state(const at::Tensor& t, const char* name, const at::Tensor& like, long long numel, bool vector) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": expected float32, got ", t.scalar_type());
   TORCH_CHECK(t.device() == like.device(), name, ": expected device ", like.device(), ", got ", t.device());
@@ -109,6 +121,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& 
       static_cast<float>(inv_max), static_cast<float>(mdiv), algo == 1, update_scale);
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());
   return {token, scale_out, history_out};
+}
+
+// out: 0-d or (3,) float32 on CUDA holding the amax in out[0]; token: 0-d
+// float32 or undefined (linear.cpp's backward, one launch instead of
+// isfinite/where/stack).
+void emit_pending_grad_launch(const at::Tensor& out, const at::Tensor& token) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  emit_pending_grad_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      out.data_ptr<float>(), token.defined() ? token.data_ptr<float>() : nullptr, (int)out.numel());
+  TORCH_OPS_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace torch_ops

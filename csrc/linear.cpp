@@ -5,11 +5,20 @@
 //
 // linear(x, weight, bias, <6 state tensors>, grad_fmt, scaling, mdiv, algo,
 //        in_out, training, sink, min_gemm_size) -> out (x's leading dims, N)
+// linear_folded(x, weight, bias, pending, fold_state, <6 state tensors>,
+//        grad_fmt, mdiv, algo, window, in_out, training, min_gemm_size)
+//   -> out: fold_pending_grad_amax + fp8_linear(delayed) with `pending` as
+//   the gradient channel: its gradient is [amax (0 if not finite), token, 0]
+//   (torch_ops.fp8_linear_folded; the Keras layers' call).
+// Both return None (an undefined tensor) where a tensor is not a plain dense
+// CUDA tensor (tensor subclasses, fake or functional tensors): the caller
+// then takes the Python path.
 
 #include <ATen/ATen.h>
 #include <torch/extension.h>
 
 #include <string>
+#include <typeinfo>
 
 #include "common.h"
 
@@ -23,6 +32,11 @@ void amax_record2_launch(const at::Tensor& x0, const at::Tensor& hist0, const at
                          double mdiv);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state,
+                                                              const at::Tensor& history, const at::Tensor& scale,
+                                                              double inv_max, double mdiv, int algo,
+                                                              long long window, bool update_scale);
+void emit_pending_grad_launch(const at::Tensor& out, const at::Tensor& token);
 
 namespace {
 
@@ -38,35 +52,50 @@ struct Q {
   at::Tensor q, qt, scale_used, amax;
 };
 
-// = _ops.quantize_delayed / quantize_current with pad=True (GEMM-ready layouts).
+// = _ops.quantize_delayed / quantize_current with pad=True (GEMM-ready
+// layouts). Outputs not asked for stay undefined; the amax goes to `amax_out`
+// when given (a gradient-channel buffer), else to a new 0-d tensor.
 Q quant(const at::Tensor& x, const at::Tensor& hist, const at::Tensor& scale, int fmt, int scaling, double mdiv,
-        int algo, bool transpose, bool record, bool write_q) {
+        int algo, bool transpose, bool record, bool write_q, const at::Tensor& amax_out = at::Tensor()) {
   const long long R = x.size(0), C = x.size(1);
   const auto opts = x.options().dtype(fmt == 1 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
   const long long ldq = r16(C), ldqt = r16(R);
   Q o;
-  o.q = write_q ? at::empty({R, ldq}, opts) : at::empty({0}, opts);
-  o.qt = transpose ? at::empty({C, ldqt}, opts) : at::empty({0}, opts);
+  if (write_q) o.q = at::empty({R, ldq}, opts);
+  if (transpose) o.qt = at::empty({C, ldqt}, opts);
   const auto fo = x.options().dtype(at::kFloat);
-  o.amax = at::empty({}, fo);
+  o.amax = amax_out.defined() ? amax_out : at::empty({}, fo);
   o.scale_used = at::empty({}, fo);
   at::Tensor none;
   if (scaling == kDelayed) {
     quantize_launch(x, R, C, fmt, 1, scale, o.scale_used, o.amax, record ? hist : none, record ? scale : none, hist,
-                    write_q ? o.q : none, ldq, transpose ? o.qt : none, ldqt, algo, mdiv, false);
+                    o.q, ldq, o.qt, ldqt, algo, mdiv, false);
   } else {
-    quantize_launch(x, R, C, fmt, 2, scale, o.scale_used, o.amax, none, none, none, write_q ? o.q : none, ldq,
-                    transpose ? o.qt : none, ldqt, 0, mdiv, false);
+    quantize_launch(x, R, C, fmt, 2, scale, o.scale_used, o.amax, none, none, none, o.q, ldq, o.qt, ldqt, 0, mdiv,
+                    false);
   }
   return o;
 }
 
+// Flags of one call, kept in the autograd context as one integer.
+enum : int64_t {
+  kSmall = 1,
+  kInOut = 2,
+  kNeedDx = 4,
+  kNeedDw = 8,
+  kRecordGrad = 16,
+  kHasBias = 32,
+  kHasSink = 64,
+  kSinkVec = 128,   // the sink is the (3,) pending vector: its gradient is [amax, token, 0]
+  kRoundDb = 256,   // the bias gradient is rounded to x's dtype first (the bias was cast to it)
+};
+
 // Everything the Function needs besides its differentiable inputs.
 struct Extra {
-  bool small, in_out, need_dx, need_dw, record_grad, has_bias, has_sink;
-  int grad_fmt, scaling, algo;
-  double mdiv;
-  at::Tensor qx, qw_fwd, sx, sw, qxt, qw_bwd, grad_hist, grad_scale;
+  int64_t flags = 0;
+  int grad_fmt = 1, scaling = kDelayed, algo = 0;
+  double mdiv = 1.0;
+  at::Tensor qx, qw_fwd, sx, sw, qxt, qw_bwd, grad_hist, grad_scale, token;
 };
 
 class LinearFn : public torch::autograd::Function<LinearFn> {
@@ -76,35 +105,30 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
                             const Extra& e) {
     (void)sink;
     auto& sd = ctx->saved_data;
-    sd["small"] = e.small;
-    sd["in_out"] = e.in_out;
-    sd["need_dx"] = e.need_dx;
-    sd["need_dw"] = e.need_dw;
-    sd["record_grad"] = e.record_grad;
-    sd["has_bias"] = e.has_bias;
-    sd["has_sink"] = e.has_sink;
-    sd["grad_fmt"] = (int64_t)e.grad_fmt;
-    sd["scaling"] = (int64_t)e.scaling;
-    sd["algo"] = (int64_t)e.algo;
-    sd["mdiv"] = e.mdiv;
-    sd["x_dtype"] = x2d.scalar_type();
-    sd["w_dtype"] = weight.scalar_type();
-    sd["b_dtype"] = e.has_bias ? bias->scalar_type() : at::kFloat;
+    const bool has_bias = e.flags & kHasBias;
+    sd["f"] = e.flags;
+    sd["c"] = (int64_t)(e.grad_fmt | (e.scaling << 4) | (e.algo << 8));
+    sd["m"] = e.mdiv;
+    sd["d"] = (int64_t)((int64_t)x2d.scalar_type() | ((int64_t)weight.scalar_type() << 8) |
+                        ((int64_t)(has_bias ? bias->scalar_type() : at::kFloat) << 16));
     // The grad state is read and written by the backward's quantize kernel
     // (raw pointers, as the Python path does): kept without version checks.
-    sd["grad_hist"] = e.grad_hist;
-    sd["grad_scale"] = e.grad_scale;
+    sd["gh"] = e.grad_hist;
+    sd["gs"] = e.grad_scale;
+    if (e.token.defined()) sd["tok"] = e.token;
+    const auto xt = x2d.scalar_type();
+    c10::optional<at::Tensor> b;
+    if (has_bias) b = bias->scalar_type() == xt ? *bias : bias->to(xt);
     at::Tensor out;
-    if (e.small) {
-      at::Tensor w_nk = (e.in_out ? weight.t() : weight).to(x2d.scalar_type());
-      c10::optional<at::Tensor> b;
-      if (e.has_bias) b = bias->to(x2d.scalar_type());
+    if (e.flags & kSmall) {
+      // The weight in x's dtype, (N, K); kept for the backward's dX.
+      at::Tensor w_nk = ((e.flags & kInOut) ? weight.t() : weight).to(xt);
       out = at::linear(x2d, w_nk, b);
-      ctx->save_for_backward({x2d, weight});
+      ctx->save_for_backward({x2d, w_nk});
     } else {
-      out = fp8_gemm(e.qx, e.qw_fwd, e.sx, e.sw, bias, x2d.scalar_type(), true);
+      out = fp8_gemm(e.qx, e.qw_fwd, e.sx, e.sw, b, xt, true);
       sd["qxt"] = e.qxt;
-      sd["qw_bwd"] = e.qw_bwd;
+      sd["qwb"] = e.qw_bwd;
       sd["sx"] = e.sx;
       sd["sw"] = e.sw;
     }
@@ -113,37 +137,40 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& sd = ctx->saved_data;
-    const bool small = sd["small"].toBool(), in_out = sd["in_out"].toBool();
-    const bool has_bias = sd["has_bias"].toBool(), has_sink = sd["has_sink"].toBool();
-    const bool record_grad = sd["record_grad"].toBool();
-    const int grad_fmt = (int)sd["grad_fmt"].toInt(), scaling = (int)sd["scaling"].toInt();
-    const int algo = (int)sd["algo"].toInt();
-    const double mdiv = sd["mdiv"].toDouble();
-    const auto x_dtype = sd["x_dtype"].toScalarType(), w_dtype = sd["w_dtype"].toScalarType();
-    const auto b_dtype = sd["b_dtype"].toScalarType();
-    const at::Tensor grad_hist = sd["grad_hist"].toTensor(), grad_scale = sd["grad_scale"].toTensor();
+    const int64_t f = sd["f"].toInt();
+    const int64_t c = sd["c"].toInt();
+    const int grad_fmt = (int)(c & 15), scaling = (int)((c >> 4) & 15), algo = (int)((c >> 8) & 15);
+    const double mdiv = sd["m"].toDouble();
+    const int64_t d = sd["d"].toInt();
+    const auto x_dtype = (at::ScalarType)(d & 255), w_dtype = (at::ScalarType)((d >> 8) & 255);
+    const auto b_dtype = (at::ScalarType)((d >> 16) & 255);
+    const bool small = f & kSmall, in_out = f & kInOut, has_bias = f & kHasBias, has_sink = f & kHasSink;
+    const bool record_grad = f & kRecordGrad;
+    const at::Tensor grad_hist = sd["gh"].toTensor(), grad_scale = sd["gs"].toTensor();
     // Edges: x2d 0, weight 1, bias (if given), sink (if given).
-    const bool need_dx = sd["need_dx"].toBool() && ctx->needs_input_grad(0);
-    const bool need_dw = sd["need_dw"].toBool() && ctx->needs_input_grad(1);
+    const bool need_dx = (f & kNeedDx) && ctx->needs_input_grad(0);
+    const bool need_dw = (f & kNeedDw) && ctx->needs_input_grad(1);
     const bool need_db = has_bias && ctx->needs_input_grad(2);
     at::Tensor g2d = grads[0].contiguous();
-    at::Tensor dx, dw, db, dsink, ga;
+    at::Tensor dx, dw, db, dsink;
+    // The sink's gradient buffer receives the amax directly.
+    if (has_sink) dsink = (f & kSinkVec) ? at::empty({3}, g2d.options().dtype(at::kFloat))
+                                         : at::empty({}, g2d.options().dtype(at::kFloat));
     if (small) {
       auto saved = ctx->get_saved_variables();
       const at::Tensor& x2d = saved[0];
-      const at::Tensor& weight = saved[1];
+      at::Tensor w_nk = saved[1];
       if (record_grad || has_sink)
-        ga = quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, false, record_grad, false).amax;
-      at::Tensor w = weight.to(g2d.scalar_type());
-      if (need_dx) dx = g2d.mm(in_out ? w.t() : w);
+        quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, false, record_grad, false, dsink);
+      if (w_nk.scalar_type() != g2d.scalar_type()) w_nk = w_nk.to(g2d.scalar_type());
+      if (need_dx) dx = g2d.mm(w_nk);
       if (need_dw) {
         at::Tensor gw = g2d.t().mm(x2d.to(g2d.scalar_type()));  // (N, K)
         dw = (in_out ? gw.t() : gw).to(w_dtype);
       }
     } else if (need_dx || need_dw || record_grad || has_sink) {
-      Q qg = quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, need_dw, record_grad, need_dx);
-      ga = qg.amax;
-      if (need_dx) dx = fp8_gemm(qg.q, sd["qw_bwd"].toTensor(), qg.scale_used, sd["sw"].toTensor(), c10::nullopt,
+      Q qg = quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, need_dw, record_grad, need_dx, dsink);
+      if (need_dx) dx = fp8_gemm(qg.q, sd["qwb"].toTensor(), qg.scale_used, sd["sw"].toTensor(), c10::nullopt,
                                  x_dtype, false);
       if (need_dw) {
         const at::Tensor qxt = sd["qxt"].toTensor(), sx = sd["sx"].toTensor();
@@ -151,8 +178,15 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
                     : fp8_gemm(qg.qt, qxt, qg.scale_used, sx, c10::nullopt, w_dtype, false);
       }
     }
-    if (need_db) db = g2d.sum(0, false, at::kFloat).to(b_dtype);
-    if (has_sink) dsink = at::where(at::isfinite(ga), ga, at::zeros_like(ga));
+    if (need_db) {
+      db = g2d.sum(0, false, at::kFloat);
+      if ((f & kRoundDb) && x_dtype != b_dtype) db = db.to(x_dtype);
+      db = db.to(b_dtype);
+    }
+    if (has_sink) {
+      auto it = sd.find("tok");
+      emit_pending_grad_launch(dsink, it == sd.end() ? at::Tensor() : it->second.toTensor());
+    }
     return {dx, dw, db, dsink, at::Tensor()};
   }
 };
@@ -177,29 +211,48 @@ void check_float(const at::Tensor& t, const char* name) {
                    ": expected bfloat16, float16 or float32, got ", s);
 }
 
-}  // namespace
+// A dense tensor of no subclass and no Python dispatch (not fake, functional
+// or batched): what the launches may read by raw pointer. Undefined is fine.
+bool plain(const at::Tensor& t) {
+  if (!t.defined()) return true;
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return typeid(*impl) == typeid(c10::TensorImpl) && !t.key_set().has(c10::DispatchKey::Python);
+}
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
-                  const std::vector<at::Tensor>& state, int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo,
-                  bool in_out, bool training, const c10::optional<at::Tensor>& sink_in, int64_t min_gemm_size) {
-  // Argument checks (the same conditions and messages as linear.py's _check).
+bool plain(const c10::optional<at::Tensor>& t) { return !t.has_value() || plain(*t); }
+
+bool all_plain(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts)
+    if (!plain(t)) return false;
+  return true;
+}
+
+// The checked arguments of one call (the same conditions and messages as
+// linear.py's _check).
+struct Args {
+  long long K = 0, N = 0;
+  c10::optional<at::Tensor> bias, sink;
+};
+
+Args check_args(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
+                const std::vector<at::Tensor>& state, bool in_out) {
+  Args a;
   TORCH_CHECK_VALUE(x.dim() >= 2, "x: expected a tensor of rank >= 2, got ", shape_str(x));
   check_float(x, "x");
   TORCH_CHECK_VALUE(weight.dim() == 2, "weight: expected a 2-D tensor, got ", shape_str(weight));
   check_float(weight, "weight");
   TORCH_CHECK_VALUE(weight.device() == x.device(), "weight: expected device ", x.device(), ", got ",
                     weight.device());
-  const long long K = x.size(-1);
+  a.K = x.size(-1);
   const long long k_w = in_out ? weight.size(0) : weight.size(1);
-  TORCH_CHECK_VALUE(k_w == K, "weight: shape ", shape_str(weight), " with weight_layout=",
-                    in_out ? "'in_out'" : "'out_in'", " does not match x's last dimension ", K);
-  const long long N = in_out ? weight.size(1) : weight.size(0);
-  c10::optional<at::Tensor> bias;
+  TORCH_CHECK_VALUE(k_w == a.K, "weight: shape ", shape_str(weight), " with weight_layout=",
+                    in_out ? "'in_out'" : "'out_in'", " does not match x's last dimension ", a.K);
+  a.N = in_out ? weight.size(1) : weight.size(0);
   if (bias_in.has_value() && bias_in->defined()) {
-    bias = *bias_in;
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N && bias->device() == x.device(),
-                      "bias: expected shape (", N, ",) on ", x.device(), ", got ", shape_str(*bias), " on ",
-                      bias->device());
+    a.bias = *bias_in;
+    TORCH_CHECK_VALUE(a.bias->dim() == 1 && a.bias->size(0) == a.N && a.bias->device() == x.device(),
+                      "bias: expected shape (", a.N, ",) on ", x.device(), ", got ", shape_str(*a.bias), " on ",
+                      a.bias->device());
   }
   static const char* kNames[6] = {"input_scale", "input_amax_history", "kernel_scale",
                                   "kernel_amax_history", "grad_scale", "grad_amax_history"};
@@ -215,14 +268,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                       scalar ? ": expected one element" : ": expected a contiguous 1-D history (H,)", ", got shape ",
                       shape_str(t));
   }
-  c10::optional<at::Tensor> sink;
-  if (sink_in.has_value() && sink_in->defined()) {
-    sink = *sink_in;
-    TORCH_CHECK_VALUE(sink->dim() == 0 && sink->scalar_type() == at::kFloat,
-                      "grad_amax_sink: expected a 0-d float32 tensor with requires_grad=True");
-  }
   TORCH_CHECK_VALUE(x.is_cuda(), "x: expected a CUDA tensor here, got device ", x.device());
+  return a;
+}
 
+// The call after check_args. `sink`: none, a 0-d sink (linear) or the (3,)
+// pending vector (linear_folded, with its fold token, undefined when not
+// training).
+at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, const std::vector<at::Tensor>& state,
+               int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo, bool in_out, bool training,
+               int64_t min_gemm_size, int64_t sink_flags, const at::Tensor& token) {
+  const long long K = a.K, N = a.N;
+  const c10::optional<at::Tensor>& bias = a.bias;
+  const c10::optional<at::Tensor>& sink = a.sink;
   const bool grad_on = at::GradMode::is_enabled();
   const bool need_dx = grad_on && x.requires_grad();
   const bool need_dw = grad_on && weight.requires_grad();
@@ -235,19 +293,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   const bool record = training && scaling == kDelayed;
 
   Extra e;
-  e.small = small;
-  e.in_out = in_out;
-  e.need_dx = need_dx;
-  e.need_dw = need_dw;
-  e.record_grad = record && !sink.has_value();
-  e.has_bias = bias.has_value();
-  e.has_sink = sink.has_value();
+  e.flags = (small ? kSmall : 0) | (in_out ? kInOut : 0) | (need_dx ? kNeedDx : 0) | (need_dw ? kNeedDw : 0) |
+            ((record && !sink.has_value()) ? kRecordGrad : 0) | (bias.has_value() ? kHasBias : 0) |
+            (sink.has_value() ? (kHasSink | sink_flags) : (sink_flags & kRoundDb));
   e.grad_fmt = (int)grad_fmt;
   e.scaling = (int)scaling;
   e.algo = (int)algo;
   e.mdiv = mdiv;
   e.grad_hist = state[5];
   e.grad_scale = state[4];
+  e.token = token;
   {
     at::NoGradGuard ng;
     const at::Tensor wd = weight.is_contiguous() ? weight : weight.contiguous();
@@ -273,19 +328,64 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     out = LinearFn::apply(x2d, weight, bias, sink, e);
   } else {
     at::NoGradGuard ng;
+    c10::optional<at::Tensor> b;
+    if (bias) b = bias->to(x2d.scalar_type());
     if (small) {
       at::Tensor w_nk = (in_out ? weight.t() : weight).to(x2d.scalar_type());
-      c10::optional<at::Tensor> b;
-      if (bias) b = bias->to(x2d.scalar_type());
       out = at::linear(x2d, w_nk, b);
     } else {
-      out = fp8_gemm(e.qx, e.qw_fwd, e.sx, e.sw, bias, x2d.scalar_type(), true);
+      out = fp8_gemm(e.qx, e.qw_fwd, e.sx, e.sw, b, x2d.scalar_type(), true);
     }
   }
   if (x.dim() == 2) return out;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(N);
   return out.reshape(shape);
+}
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
+                  const std::vector<at::Tensor>& state, int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo,
+                  bool in_out, bool training, const c10::optional<at::Tensor>& sink_in, int64_t min_gemm_size) {
+  if (!plain(x) || !plain(weight) || !plain(bias_in) || !plain(sink_in) || !all_plain(state)) return at::Tensor();
+  Args a = check_args(x, weight, bias_in, state, in_out);
+  if (sink_in.has_value() && sink_in->defined()) {
+    a.sink = *sink_in;
+    TORCH_CHECK_VALUE(a.sink->dim() == 0 && a.sink->scalar_type() == at::kFloat,
+                      "grad_amax_sink: expected a 0-d float32 tensor with requires_grad=True");
+  }
+  return run(x, weight, a, state, grad_fmt, scaling, mdiv, algo, in_out, training, min_gemm_size, 0, at::Tensor());
+}
+
+at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
+                         const at::Tensor& pending, const at::Tensor& fold_state, const std::vector<at::Tensor>& state,
+                         int64_t grad_fmt, double mdiv, int64_t algo, int64_t window, bool in_out, bool training,
+                         int64_t min_gemm_size) {
+  if (!plain(x) || !plain(weight) || !plain(bias_in) || !plain(pending) || !plain(fold_state) || !all_plain(state))
+    return at::Tensor();
+  Args a = check_args(x, weight, bias_in, state, in_out);
+  for (const at::Tensor* t : {&pending, &fold_state}) {
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == 3 && t->is_contiguous() &&
+                          t->device() == x.device(),
+                      t == &pending ? "pending" : "fold_state", ": expected a contiguous float32 tensor of shape (3,) on ",
+                      x.device());
+  }
+  std::vector<at::Tensor> st = state;
+  at::Tensor token;
+  if (training) {
+    // The fold's snapshots are this call's grad state: they stay valid for
+    // its backward even when a later call folds into the variables again.
+    const double fmax = grad_fmt == 1 ? 57344.0 : 448.0;
+    auto folded = fold_grad_amax(pending, fold_state, state[5], state[4], 1.0 / fmax, mdiv, (int)algo,
+                                 window > 0 ? window : state[5].numel(), true);
+    token = std::get<0>(folded);
+    st[4] = std::get<1>(folded);
+    st[5] = std::get<2>(folded);
+  }
+  if (at::GradMode::is_enabled() && pending.requires_grad()) a.sink = pending;
+  return run(x, weight, a, st, grad_fmt, kDelayed, mdiv, algo, in_out, training, min_gemm_size, kSinkVec | kRoundDb,
+             token);
 }
 
 }  // namespace torch_ops

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from . import _build
 from . import _ops
 from . import emulation as emu
+from .fold import fold_pending_grad_amax
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -285,6 +286,9 @@ _ALGO_ID = {"max": 0, "most_recent": 1}
 _LAYOUT_ID = {"out_in": False, "in_out": True}
 _T, _P = torch.Tensor, torch.nn.Parameter
 _ext_cache = []
+# (fp8_format, scaling, margin, amax_compute_algo, weight_layout) -> the C++
+# entry's (grad_fmt, scaling, mdiv, algo, in_out), None where one is invalid.
+_FAST_ARGS = {}
 
 
 def _ext():
@@ -294,36 +298,59 @@ def _ext():
     return _ext_cache[0]
 
 
+def _fast_args(fp8_format, scaling, margin, amax_compute_algo, weight_layout):
+    key = (fp8_format, scaling, margin, amax_compute_algo, weight_layout)
+    args = _FAST_ARGS.get(key)
+    if args is None and key not in _FAST_ARGS:
+        fmt = _FMT_ID.get(fp8_format)
+        sc = _SCALING_ID.get(scaling)
+        algo = _ALGO_ID.get(amax_compute_algo)
+        in_out = _LAYOUT_ID.get(weight_layout)
+        if None not in (fmt, sc, algo, in_out):
+            args = (fmt, sc, _ops._mdiv(margin), algo, in_out)
+        if len(_FAST_ARGS) < 256:
+            _FAST_ARGS[key] = args
+    return args
+
+
+def _fast_ext(x, weight):
+    """The extension when the C++ entry may take this call (plain CUDA x and
+    weight outside torch.compile, kernels usable), else None. The C++ entry
+    declines (returns None) other tensors that are not plain."""
+    if (type(x) is not _T and type(x) is not _P) or (type(weight) is not _T and type(weight) is not _P):
+        return None
+    if not x.is_cuda or _ops.GEMM_BACKEND != "cublaslt" or torch.compiler.is_compiling():
+        return None
+    return _ext_cache[0] if _ext_cache else _ext()
+
+
+def _gemm_limit(min_gemm_size):
+    return DEFAULT_MIN_GEMM_SIZE if min_gemm_size is None else int(min(min_gemm_size, 1 << 62))
+
+
 def _fast(x, weight, bias, state, fp8_format, scaling, margin, amax_compute_algo, weight_layout, training,
           grad_amax_sink, min_gemm_size):
     """The C++ fast path's output, or None when the call must take the Python path
     (not CUDA, kernels unusable, tensor subclasses, torch.compile, invalid
     arguments: the Python path raises the errors)."""
-    if type(x) is not _T and type(x) is not _P:
+    ext = _fast_ext(x, weight)
+    if ext is None or type(state) is not FP8LinearState:
         return None
-    if not x.is_cuda or _ops.GEMM_BACKEND != "cublaslt" or torch.compiler.is_compiling():
+    args = _fast_args(fp8_format, scaling, margin, amax_compute_algo, weight_layout)
+    if args is None:
         return None
-    if type(state) is not FP8LinearState:
-        return None
-    fmt = _FMT_ID.get(fp8_format)
-    sc = _SCALING_ID.get(scaling)
-    algo = _ALGO_ID.get(amax_compute_algo)
-    in_out = _LAYOUT_ID.get(weight_layout)
-    if fmt is None or sc is None or algo is None or in_out is None:
-        return None
-    ts = (state.input_scale, state.input_amax_history, state.kernel_scale, state.kernel_amax_history,
-          state.grad_scale, state.grad_amax_history)
-    for t in (weight, bias, grad_amax_sink) + ts:
-        if t is not None and type(t) is not _T and type(t) is not _P:
-            return None
-    ext = _ext()
-    if ext is None:
-        return None
-    if min_gemm_size is None:
-        min_gemm_size = DEFAULT_MIN_GEMM_SIZE
-    # Tensor arguments are checked in C++ (same messages as _check).
-    return ext.linear(x, weight, bias, ts, fmt, sc, _ops._mdiv(margin), algo, in_out, bool(training),
-                      grad_amax_sink, int(min(min_gemm_size, 1 << 62)))
+    fmt, sc, mdiv, algo, in_out = args
+    s = state
+    ts = (s.input_scale, s.input_amax_history, s.kernel_scale, s.kernel_amax_history, s.grad_scale,
+          s.grad_amax_history)
+    try:
+        # Tensor arguments are checked in C++ (same messages as _check).
+        return ext.linear(x, weight, bias, ts, fmt, sc, mdiv, algo, in_out, bool(training), grad_amax_sink,
+                          _gemm_limit(min_gemm_size))
+    except TypeError as e:
+        if "incompatible function arguments" in str(e):
+            return None  # not tensors where tensors go: the Python path says which
+        raise
 
 
 def fp8_linear(
@@ -386,3 +413,110 @@ def fp8_linear_emulated(x, weight, bias=None, *, state, fp8_format="hybrid", sca
     Defaults to min_gemm_size=0, i.e. always the FP8 path."""
     return _fp8_linear(_EmuOps, _EmuFn, x, weight, bias, state, fp8_format, scaling, margin, amax_compute_algo,
                        weight_layout, training, grad_amax_sink, min_gemm_size)
+
+
+class _EmitToken(torch.autograd.Function):
+    """Identity on `y` whose backward adds `[0, token, 0]` to `pending`'s
+    gradient (fp8_linear returns the amax as the gradient of `pending[0]`)."""
+
+    @staticmethod
+    def forward(ctx, y, pending, token):
+        ctx.save_for_backward(token)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token,) = ctx.saved_tensors
+        zero = torch.zeros_like(token)
+        return grad, torch.stack([zero, token, zero]), None
+
+
+def _fp8_linear_folded_python(x, weight, bias, state, pending, fold_state, fp8_format, margin, amax_compute_algo,
+                              window, weight_layout, training, min_gemm_size):
+    if fp8_format not in _FORMATS:
+        raise ValueError(f"fp8_format: expected one of {_FORMATS}, got {fp8_format!r}")
+    s = state if isinstance(state, FP8LinearState) else FP8LinearState(*state)
+    token = None
+    if training:
+        token, grad_scale, grad_history = fold_pending_grad_amax(
+            pending, fold_state, s.grad_amax_history, s.grad_scale, E5M2 if fp8_format == "hybrid" else E4M3,
+            margin=margin, amax_compute_algo=amax_compute_algo, window=window,
+        )
+        s = FP8LinearState(s.input_scale, s.input_amax_history, s.kernel_scale, s.kernel_amax_history, grad_scale,
+                           grad_history)
+    sink = pending.requires_grad and torch.is_grad_enabled()
+    y = fp8_linear(
+        x, weight, None if bias is None else bias.to(x.dtype), state=s, fp8_format=fp8_format, scaling="delayed",
+        margin=margin, amax_compute_algo=amax_compute_algo, weight_layout=weight_layout, training=bool(training),
+        grad_amax_sink=pending[0] if sink else None, min_gemm_size=min_gemm_size,
+    )
+    if not sink:
+        return y
+    if token is None:
+        token = torch.zeros((), dtype=torch.float32, device=x.device)
+    return _EmitToken.apply(y, pending, token)
+
+
+def fp8_linear_folded(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    state,
+    pending: torch.Tensor,
+    fold_state: torch.Tensor,
+    fp8_format: str = "hybrid",
+    margin: float = 0.0,
+    amax_compute_algo: str = "max",
+    window: int | None = None,
+    weight_layout: str = "out_in",
+    training: bool = True,
+    min_gemm_size: int | None = None,
+) -> torch.Tensor:
+    """fp8_linear (delayed scaling) whose output gradient's amax leaves through
+    a gradient channel instead of the grad state: the Keras layers' call.
+
+    When training, first ``fold_pending_grad_amax(pending, fold_state, ...)``
+    folds the last backward's pending amax into the grad state (in place) and
+    gives this call's token; the call then runs on the fold's snapshots of the
+    grad scale and history. When ``pending.requires_grad`` (and grad mode is
+    on), the backward records nothing in the grad state and returns
+    ``[amax of the output gradient (0 where not finite), token, 0]`` as
+    ``pending``'s gradient (token 0 when not training). The bias is added in
+    x's dtype and its gradient is rounded to x's dtype (as if the caller had
+    cast it with ``bias.to(x.dtype)``).
+
+    On plain CUDA tensors outside torch.compile this is one C++ call
+    (csrc/linear.cpp, ``linear_folded``); elsewhere the same ops run from
+    Python (fold_pending_grad_amax, fp8_linear, a token node), with the same
+    state, outputs and gradients.
+
+    Args:
+      x, weight, bias, fp8_format, margin, amax_compute_algo, weight_layout,
+        training, min_gemm_size: as in ``fp8_linear``.
+      state: FP8LinearState, or its six tensors in field order.
+      pending: (3,) float32 ``[amax, token, loss_scale]`` (read only).
+      fold_state: (3,) float32 ``[folds, last_token, last_loss_scale]``,
+        updated in place when training.
+      window: as in ``fold_pending_grad_amax`` (default: the whole history).
+    """
+    if FAST_PATH and (window is None or window >= 1):
+        ext = _fast_ext(x, weight)
+        args = None if ext is None else _fast_args(fp8_format, "delayed", margin, amax_compute_algo, weight_layout)
+        if args is not None:
+            if type(state) is FP8LinearState:
+                s = state
+                state = (s.input_scale, s.input_amax_history, s.kernel_scale, s.kernel_amax_history, s.grad_scale,
+                         s.grad_amax_history)
+            try:
+                out = ext.linear_folded(x, weight, bias, pending, fold_state, state, args[0], args[2], args[3],
+                                        0 if window is None else int(window), args[4], bool(training),
+                                        _gemm_limit(min_gemm_size))
+            except TypeError as e:
+                if "incompatible function arguments" not in str(e):
+                    raise
+                out = None
+            if out is not None:
+                return out
+    return _fp8_linear_folded_python(x, weight, bias, state, pending, fold_state, fp8_format, margin,
+                                     amax_compute_algo, window, weight_layout, training, min_gemm_size)

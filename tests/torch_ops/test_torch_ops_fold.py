@@ -158,3 +158,159 @@ class FoldKernelTest(parameterized.TestCase):
         for g, w in zip((h, s, fs), ref):
             np.testing.assert_array_equal(g.cpu().numpy(), w.numpy())
         self.assertEqual(h[:5].tolist(), [15.0, 12.0, 9.0, 6.0, 3.0])
+
+
+def folded_steps(device, fast, *, steps=3, training=True, pending_grad=True, bias=True, lead=None, mgs=0,
+                 no_grad=False, twice=False, fp8_format="hybrid", inf_step=None, as_tuple=False):
+    """Training steps of fp8_linear_folded as the Keras layers run them (the
+    optimizer overwrites `pending` with its gradient); returns every output,
+    gradient and state tensor, in order."""
+    from torch_ops import linear as L
+
+    saved = L.FAST_PATH
+    L.FAST_PATH = fast
+    try:
+        g = torch.Generator().manual_seed(7)
+        M, K, N = 24, 40, 16
+        kernel = (torch.randn(K, N, generator=g) * 0.05).to(device)
+        b0 = torch.randn(N, generator=g).to(device) if bias else None
+        st = torch_ops.FP8LinearState.create(8, device=device)
+        pending = torch.zeros(3, device=device, requires_grad=pending_grad)
+        fold_state = torch.zeros(3, device=device)
+        out = []
+        for step in range(steps):
+            x = (torch.randn(M, K, generator=g) * (step + 1)).bfloat16().to(device)
+            gy = torch.randn(M, N, generator=g).bfloat16().to(device)
+            if step == inf_step:
+                gy[3, 4] = float("inf")
+            if lead is not None:
+                x, gy = x.reshape(*lead, K), gy.reshape(*lead, N)
+            x.requires_grad_(not no_grad)
+            w = kernel.clone().requires_grad_(not no_grad)
+            b = None if b0 is None else b0.clone().requires_grad_(not no_grad)
+            state = st.tensors() if as_tuple else st
+            with torch.set_grad_enabled(not no_grad):
+                kw = dict(state=state, pending=pending, fold_state=fold_state, fp8_format=fp8_format,
+                          weight_layout="in_out", training=training, min_gemm_size=mgs, window=8)
+                y = L.fp8_linear_folded(x, w, b, **kw)
+                if twice:
+                    y = y + L.fp8_linear_folded(x * 2, w, b, **kw)
+            out.append(y.detach())
+            if y.requires_grad:
+                y.backward(gy)
+                out += [x.grad, w.grad] + ([b.grad] if b is not None else [])
+            if pending.grad is not None:
+                out.append(pending.grad.clone())
+                with torch.no_grad():
+                    pending.copy_(pending.grad)
+                pending.grad = None
+            out += [t.clone() for t in st.tensors()] + [fold_state.clone(), pending.detach().clone()]
+        return out
+    finally:
+        L.FAST_PATH = saved
+
+
+class LinearFoldedTest(parameterized.TestCase):
+    """fp8_linear_folded (the Keras layers' call): the fold, then fp8_linear
+    with `pending` as the gradient channel."""
+
+    def test_gradient_channel_and_fold(self):
+        from torch_ops import linear as L
+
+        st = torch_ops.FP8LinearState.create(4)
+        pending, fold_state = torch.zeros(3, requires_grad=True), torch.zeros(3)
+        x, w = torch.randn(8, 16), torch.randn(16, 4) * 0.1
+        amaxes = []
+        for step in range(3):
+            gy = torch.randn(8, 4) * (step + 1)
+            if step == 2:
+                gy[0, 0] = float("nan")
+            L.fp8_linear_folded(x, w, state=st, pending=pending, fold_state=fold_state,
+                                weight_layout="in_out").backward(gy)
+            amax = 0.0 if step == 2 else gy.abs().max().item()
+            self.assertEqual(pending.grad.tolist(), [amax, step + 1.0, 0.0])
+            amaxes.append(amax)
+            with torch.no_grad():
+                pending.copy_(pending.grad)
+            pending.grad = None
+            # The fold at the start of step t recorded step t-1's amax.
+            want = (amaxes[:step][::-1] + [0.0, 0.0])[:2]
+            self.assertEqual(st.grad_amax_history[:2].tolist(), want)
+        self.assertEqual(fold_state.tolist(), [2.0, 2.0, 0.0])
+        # Not training: no fold, token 0, nothing recorded.
+        h = st.tensors()
+        h = [t.clone() for t in h]
+        L.fp8_linear_folded(x, w, state=st, pending=pending, fold_state=fold_state, weight_layout="in_out",
+                            training=False).backward(gy)
+        self.assertEqual(pending.grad[1:].tolist(), [0.0, 0.0])
+        self.assertEqual(fold_state.tolist(), [2.0, 2.0, 0.0])
+        for u, v in zip(st.tensors(), h):
+            self.assertTrue(torch.equal(u, v))
+
+    def test_bias_gradient_rounds_through_x_dtype(self):
+        from torch_ops import linear as L
+
+        st = torch_ops.FP8LinearState.create(4)
+        pending, fold_state = torch.zeros(3, requires_grad=True), torch.zeros(3)
+        x = torch.randn(64, 16).bfloat16()
+        b = torch.randn(4, requires_grad=True)
+        gy = torch.randn(64, 4).bfloat16()
+        y = L.fp8_linear_folded(x, torch.randn(16, 4) * 0.1, b, state=st, pending=pending,
+                                fold_state=fold_state, weight_layout="in_out")
+        self.assertEqual(y.dtype, torch.bfloat16)
+        y.backward(gy)
+        self.assertEqual(b.grad.dtype, torch.float32)
+        self.assertTrue(torch.equal(b.grad, gy.float().sum(0).bfloat16().float()))
+
+    def test_state_tuple_equals_dataclass(self):
+        a = folded_steps("cpu", False, as_tuple=True)
+        b = folded_steps("cpu", False)
+        for u, v in zip(a, b):
+            self.assertTrue(torch.equal(u, v))
+
+
+@needs_kernels
+class LinearFoldedKernelTest(parameterized.TestCase):
+    """The C++ entry (csrc/linear.cpp, linear_folded) against the Python
+    composite on the same kernels: bit-equal outputs, gradients and state."""
+
+    @parameterized.named_parameters(
+        ("fp8", dict()),
+        ("small", dict(mgs=1 << 40)),
+        ("rank3_no_bias", dict(lead=(4, 6), bias=False)),
+        ("rank3_small", dict(lead=(2, 12), mgs=1 << 40)),
+        ("e4m3_twice", dict(fp8_format="e4m3", twice=True)),
+        ("twice_small", dict(twice=True, mgs=1 << 40)),
+        ("inference", dict(training=False)),
+        ("no_grad", dict(no_grad=True)),
+        ("pending_without_grad", dict(pending_grad=False)),
+        ("inf_gradient", dict(inf_step=1)),
+        ("inf_gradient_small", dict(inf_step=1, mgs=1 << 40)),
+        ("tuple_state", dict(as_tuple=True)),
+    )
+    def test_equals_python_composite(self, kw):
+        from torch_ops import linear as L
+
+        calls = []
+        ext = L._ext()
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(ext, name)
+
+            def linear_folded(self, *args):
+                out = ext.linear_folded(*args)
+                calls.append(out is not None)
+                return out
+
+        L._ext_cache[0] = Counting()
+        try:
+            got = folded_steps("cuda", True, **kw)
+        finally:
+            L._ext_cache[0] = ext
+        want = folded_steps("cuda", False, **kw)
+        self.assertTrue(calls and all(calls), calls)
+        self.assertEqual(len(got), len(want))
+        for i, (u, v) in enumerate(zip(got, want)):
+            self.assertEqual((u.dtype, u.shape), (v.dtype, v.shape), i)
+            self.assertTrue(torch.equal(u, v), f"item {i}: {u.flatten()[:6]} vs {v.flatten()[:6]}")
