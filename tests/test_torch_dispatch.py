@@ -252,6 +252,9 @@ class FastCallTest(parameterized.TestCase):
         ("dense", lambda: FP8Dense(24, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0), (16, 32)),
         ("dense_bias_relu", lambda: FP8Dense(24, activation="relu", dtype="fp8_hybrid[history_len=4]",
                                              min_gemm_size=0), (2, 8, 32)),
+        ("dense_rank4_small_gemm", lambda: FP8Dense(24, dtype="fp8_hybrid[history_len=4]"), (2, 3, 4, 32)),
+        ("dense_no_bias_e4m3", lambda: FP8Dense(24, use_bias=False, dtype="fp8_e4m3[history_len=4]",
+                                                min_gemm_size=0), (16, 32)),
     )
     def test_fast_path_equals_keras_call(self, make, shape):
         import torch
@@ -276,6 +279,8 @@ class FastCallTest(parameterized.TestCase):
                         layer.grad_amax_pending.assign(layer.grad_amax_pending.value.grad)
                         outs += [to_numpy(y.detach().float()), to_numpy(x.grad.float()),
                                  to_numpy(layer._kernel.value.grad)]
+                        if layer.bias is not None:
+                            outs.append(to_numpy(layer.bias.value.grad))
                         for v in layer.trainable_variables:
                             v.value.grad = None
                     self.assertEqual(dispatch.generic_calls, 0 if fast else 3)
@@ -286,6 +291,49 @@ class FastCallTest(parameterized.TestCase):
         for a, b in zip(*results):
             np.testing.assert_array_equal(a, b)
         del torch
+
+    @pytest.mark.skipif(not _fp8_gpu(), reason="needs an FP8 GPU and torch_ops kernels")
+    def test_gpu_call_is_one_cpp_call_equal_to_python_path(self):
+        from torch_ops import linear as L
+
+        def make():
+            return FP8Dense(24, activation="relu", dtype="fp8_hybrid[history_len=4]")
+
+        results = []
+        for fast in (True, False):
+            keras.utils.set_random_seed(0)
+            layer = make()
+            layer.build((2, 8, 32))
+            calls = []
+            ext = L._ext()
+
+            class Counting:
+                def __getattr__(self, name):
+                    return getattr(ext, name)
+
+                def linear_folded(self, *args):
+                    out = ext.linear_folded(*args)
+                    calls.append(out is not None)
+                    return out
+
+            L._ext_cache[0], saved_fast = Counting(), L.FAST_PATH
+            L.FAST_PATH = fast
+            try:
+                outs = []
+                for step in range(3):
+                    x = self._bf16((2, 8, 32), step).requires_grad_()
+                    y = layer(x, training=True)
+                    y.float().square().sum().backward()
+                    layer.grad_amax_pending.assign(layer.grad_amax_pending.value.grad)
+                    outs += [y.detach(), x.grad, layer._kernel.value.grad, layer.bias.value.grad]
+                    for v in layer.trainable_variables:
+                        v.value.grad = None
+            finally:
+                L._ext_cache[0], L.FAST_PATH = ext, saved_fast
+            self.assertEqual(calls, [True] * 3 if fast else [])
+            results.append(outs + [v.value.clone() for v in layer.fp8_state_variables])
+        for a, b in zip(*results):
+            self.assertTrue(__import__("torch").equal(a, b))
 
     def test_training_comes_from_the_outer_call(self):
         class Block(keras.layers.Layer):

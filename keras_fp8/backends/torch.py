@@ -10,6 +10,7 @@ import warnings
 
 import torch
 
+from keras import activations
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.variables import AutocastScope
@@ -17,6 +18,7 @@ from keras.src.distribution import distribution_lib
 
 from keras_fp8 import recipes
 from keras_fp8.backends import emulation
+from keras_fp8.layers.fp8_dense import FP8Dense
 
 
 def _torch_ops_if_usable(device_index):
@@ -106,26 +108,6 @@ class _FP8Matmul(torch.autograd.Function):
         return (dx, dkernel, dpending) + (None,) * 7
 
 
-class _EmitToken(torch.autograd.Function):
-    """Identity on `y` whose backward adds `[0, token, 0]` to the pending grad.
-
-    `torch_ops.fp8_linear` returns the output gradient's amax as the gradient
-    of `pending[0]`; this adds the fold token in `pending[1]`.
-    """
-
-    @staticmethod
-    def forward(ctx, y, pending, token):
-        ctx.save_for_backward(token)
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (token,) = ctx.saved_tensors
-        zero = torch.zeros_like(token)
-        dpending = torch.stack([zero, token, zero])
-        return grad, dpending, None
-
-
 def _read_value(variable):
     return variable._value
 
@@ -148,22 +130,24 @@ def _variable_reader():
 
 
 def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
-    """`x @ kernel (+ bias)` through `torch_ops.fp8_linear`, or None.
+    """`x @ kernel (+ bias)` through `torch_ops.linear.fp8_linear_folded`, or None.
 
     Runs when the compiled kernels can serve `x`'s device. The layer's Keras
     variables are the kernels' state buffers: the fused quantize kernels
     update the input and kernel histories and scales in place (no copies, no
-    host sync); the output gradient's amax and the fold token return through
-    the gradient of `grad_amax_pending`, exactly as on the emulated path, and
-    `torch_ops.fold_pending_grad_amax` folds them in (one launch, the same
-    float32 operations as `FP8StateMixin._fold_pending_grad_amax`).
+    host sync); a training call first folds the last backward's pending
+    gradient amax into the gradient history and scale (one launch, the same
+    float32 operations as `FP8StateMixin._fold_pending_grad_amax`), and the
+    output gradient's amax and the fold token return through the gradient of
+    `grad_amax_pending`, exactly as on the emulated path. In eager mode on
+    plain CUDA tensors all of it is one C++ call.
 
     Args:
         layer: The FP8 layer (its state variables are used).
         x: `(M, K)` tensor in the compute dtype.
         kernel: `(K, N)` float32 kernel (the variable's own tensor).
-        bias: Optional `(N,)` bias variable (read in the compute dtype),
-            fused in the GEMM.
+        bias: Optional `(N,)` bias variable, added in the compute dtype
+            (fused in the GEMM).
         recipe: The call's recipe.
         training: Whether amaxes are recorded.
         min_gemm_size: `M*N*K` below which the GEMMs run in the compute dtype
@@ -177,53 +161,42 @@ def fused_fp8_matmul(layer, x, kernel, bias, recipe, training, min_gemm_size):
         # torch_ops does not publish current-scaling scales; the generic path
         # (torch_ops GEMMs, keras.ops state) keeps the Keras semantics.
         return None
-    value = _variable_reader()
-    pending = value(layer.grad_amax_pending)
-    if training:
-        # The snapshots stay valid for this call's backward even when a second
-        # call of the layer folds into the variables again.
-        token, grad_scale, grad_history = torch_ops.fold_pending_grad_amax(
-            pending,
-            value(layer.grad_fold_state),
-            value(layer.grad_amax_history),
-            value(layer.grad_scale),
-            _torch_dtype(recipes.FORMAT_DTYPE[recipe.backward_format]),
-            margin=recipe.margin,
-            amax_compute_algo=recipe.amax_compute_algo,
-            window=recipe.history_len,
-        )
-    else:
-        token = None
-        grad_scale = value(layer.grad_scale)
-        grad_history = value(layer.grad_amax_history)
-    state = torch_ops.FP8LinearState(
-        input_scale=value(layer.input_scale),
-        input_amax_history=value(layer.input_amax_history),
-        kernel_scale=value(layer.kernel_scale),
-        kernel_amax_history=value(layer.kernel_amax_history),
-        grad_scale=grad_scale,
-        grad_amax_history=grad_history,
+    return _linear_folded(
+        torch_ops, layer, x, kernel, bias, recipe, training, min_gemm_size,
+        _variable_reader(),
     )
-    sink = pending.requires_grad and torch.is_grad_enabled()
-    y = torch_ops.fp8_linear(
+
+
+def _linear_folded(
+    torch_ops, layer, x, kernel, bias, recipe, training, min_gemm_size, value
+):
+    """`fused_fp8_matmul` once the kernels are chosen (`x` of any rank)."""
+    return torch_ops.linear.fp8_linear_folded(
         x,
         kernel,
-        None if bias is None else value(bias).to(x.dtype),
-        state=state,
+        None if bias is None else value(bias),
+        state=(
+            value(layer.input_scale),
+            value(layer.input_amax_history),
+            value(layer.kernel_scale),
+            value(layer.kernel_amax_history),
+            value(layer.grad_scale),
+            value(layer.grad_amax_history),
+        ),
+        pending=value(layer.grad_amax_pending),
+        fold_state=value(layer.grad_fold_state),
         fp8_format=recipe.fp8_format,
-        scaling="delayed",
         margin=float(recipe.margin),
         amax_compute_algo=recipe.amax_compute_algo,
+        window=recipe.history_len,
         weight_layout="in_out",
         training=bool(training),
-        grad_amax_sink=pending[0] if sink else None,
         min_gemm_size=min_gemm_size,
     )
-    if not sink:
-        return y
-    if token is None:
-        token = torch.zeros((), dtype=torch.float32, device=x.device)
-    return _EmitToken.apply(y, pending, token)
+
+
+# `Dense(activation=None)` stores this identity function.
+_IDENTITY = activations.linear
 
 
 def fast_layer_call(layer, args, kwargs):
@@ -238,6 +211,11 @@ def fast_layer_call(layer, args, kwargs):
     call (and pass it on to later layers, as Keras does), enter the layer's
     autocast scope, and run `layer.call`. Every other case returns None and
     goes through `Layer.__call__`.
+
+    An `FP8Dense` (whose `call` is not overridden, without LoRA, outside a
+    stateless scope) goes one step further: its `call` is the FP8 linear on
+    the variables' own tensors (`x` of any rank, bias fused), then the
+    activation inside the autocast scope; `FP8Dense.call` computes the same.
     """
     if len(args) != 1 or (kwargs and (len(kwargs) != 1 or "training" not in kwargs)):
         return None
@@ -256,7 +234,10 @@ def fast_layer_call(layer, args, kwargs):
     ):
         return None
     recipe = layer._fp8_recipe()
-    if recipe is None or isinstance(recipe, recipes.CurrentScaling) or _kernels_for(x) is None:
+    if recipe is None or isinstance(recipe, recipes.CurrentScaling):
+        return None
+    torch_ops = _kernels_for(x)
+    if torch_ops is None:
         return None
     context = global_state.get_global_attribute("current_call_ctx")
     if "training" in kwargs:
@@ -265,9 +246,28 @@ def fast_layer_call(layer, args, kwargs):
         training = None if context is None else context.get_value("training")
     if context is not None:
         context.set_value("training", training)
-    mixed = layer.compute_dtype != layer.variable_dtype
-    with AutocastScope(layer.compute_dtype if mixed else None):
+    if (
+        type(layer).call is FP8Dense.call
+        and not layer.lora_enabled
+        and not in_stateless_scope()
+    ):
+        y = _linear_folded(
+            torch_ops, layer, x, layer._kernel._value, layer.bias, recipe,
+            training, layer._min_gemm_size(), _read_value,
+        )
+        activation = layer.activation
+        if activation is None or activation is _IDENTITY:
+            return y
+        with AutocastScope(_autocast_dtype(layer)):
+            return activation(y)
+    with AutocastScope(_autocast_dtype(layer)):
         return layer.call(x, training=training)
+
+
+def _autocast_dtype(layer):
+    """The dtype of the autocast scope `Layer.__call__` enters (or None)."""
+    compute_dtype = layer.compute_dtype
+    return compute_dtype if compute_dtype != layer.variable_dtype else None
 
 
 def fp8_matmul(
