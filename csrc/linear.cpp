@@ -165,8 +165,10 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
       if (w_nk.scalar_type() != g2d.scalar_type()) w_nk = w_nk.to(g2d.scalar_type());
       if (need_dx) dx = g2d.mm(w_nk);
       if (need_dw) {
-        at::Tensor gw = g2d.t().mm(x2d.to(g2d.scalar_type()));  // (N, K)
-        dw = (in_out ? gw.t() : gw).to(w_dtype);
+        // In the weight's own layout (no transposing copy, and the gradient
+        // obeys AccumulateGrad's layout contract): in_out (K, N) = x^T g.
+        const at::Tensor xg = x2d.to(g2d.scalar_type());
+        dw = (in_out ? xg.t().mm(g2d) : g2d.t().mm(xg)).to(w_dtype);
       }
     } else if (need_dx || need_dw || record_grad || has_sink) {
       Q qg = quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, need_dw, record_grad, need_dx, dsink);

@@ -150,8 +150,9 @@ def _make_fn(ops):
                 if need_dx:
                     dx = g2d @ (w.t() if in_out else w)
                 if need_dw:
-                    gw = g2d.t() @ x2d.to(g2d.dtype)  # (N, K)
-                    dw = (gw.t() if in_out else gw).to(w_dtype)
+                    # In the weight's own layout: in_out (K, N) = x^T g.
+                    xg = x2d.to(g2d.dtype)
+                    dw = (xg.t() @ g2d if in_out else g2d.t() @ xg).to(w_dtype)
             else:
                 qxt, qw_bwd, sx, sw, grad_hist, grad_scale = ctx.saved_tensors
                 qg, qgt, sg, ga = _quant(ops, scaling, g2d, grad_hist, grad_scale, grad_dt, margin, algo,
