@@ -9,7 +9,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 T0=$(date +%s); BUDGET=${BUDGET:-330}
-PHASES=${PHASES:-"build tests layer linear profile model"}
+PHASES=${PHASES:-"build tests layer linear profile model"}  # also: kprofile
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 source "$(dirname "$0")/lib.sh"
 OLD=${OLD:-}
@@ -58,5 +58,11 @@ if has model; then
   KERAS_BACKEND=torch new model 45 python3 benchmarks/model.py --policy fp8_hybrid $SMALL
   KERAS_BACKEND=torch old model 45 python3 "$OLD/benchmarks/model.py" --policy fp8_hybrid $SMALL
   grep -E "^===|RESULT" "$OUT/model.txt" | cut -c1-160 | tee -a "$LOG"
+fi
+if has kprofile; then  # GPU busy vs wall and host syncs of a small-model step
+  for p in fp8_hybrid mixed_bfloat16; do
+    KERAS_BACKEND=torch new kprofile 40 python3 benchmarks/profile_keras_torch.py --policy $p --top 25 ${SMALL% --warmup*}
+  done
+  grep -E "^===|^# |host-synchronizing|  sync" "$OUT/kprofile.txt" | tee -a "$LOG"
 fi
 say "[$(($(date +%s) - T0))s] done"
