@@ -12,6 +12,7 @@ from absl.testing import parameterized
 import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
+from tests.backend_utils import real_fp8_gemm
 from tests.backend_utils import rng_normal
 from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
@@ -117,7 +118,19 @@ class SavingTest(parameterized.TestCase):
         x, y = data()
         pred = to_numpy(loaded.predict(x, verbose=0))
         expected = np.load(os.path.join(workdir, "pred.npy"))
-        np.testing.assert_allclose(pred, expected, rtol=2e-2, atol=2e-2)
+        if real_fp8_gemm():
+            # Two FP8 GEMM implementations (torch_ops's cuBLASLt calls, XLA's)
+            # round their bf16 outputs differently; one bf16 ulp can flip the
+            # E4M3 rounding of the next layer's input (2**-3 relative), so
+            # compare within FP8 tolerance (the H200 showed a 0.039 difference
+            # in 2 of 384 outputs of magnitude <= 0.82).
+            error = np.linalg.norm(pred - expected) / np.linalg.norm(expected)
+            self.assertLess(error, 5e-2)
+            np.testing.assert_allclose(
+                pred, expected, rtol=0, atol=2**-3 * np.abs(expected).max()
+            )
+        else:
+            np.testing.assert_allclose(pred, expected, rtol=2e-2, atol=2e-2)
         loaded.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         history = to_numpy(loaded.get_layer("up").input_amax_history)
         self.assertEqual(np.count_nonzero(history), 12)
