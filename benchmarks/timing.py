@@ -5,6 +5,17 @@ import statistics
 import torch
 
 
+def _timed_ms(fn):
+    """Milliseconds of one `fn()` between two CUDA events, synchronized."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def cuda_median_ms(fn, iters=30, warmup=5):
     """Median milliseconds of `fn()` over `iters` runs after `warmup` runs.
 
@@ -14,16 +25,7 @@ def cuda_median_ms(fn, iters=30, warmup=5):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(_timed_ms(fn) for _ in range(iters))
 
 
 def cuda_graph_median_ms(fn, iters=20, warmup=3, per_graph=1):
@@ -66,12 +68,5 @@ def interleaved_median_ms(fns, rounds=5, iters=6, warmup=3):
     samples = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            for _ in range(iters):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples[name].append(start.elapsed_time(end))
+            samples[name] += [_timed_ms(fn) for _ in range(iters)]
     return {name: statistics.median(times) for name, times in samples.items()}

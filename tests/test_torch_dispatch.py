@@ -16,6 +16,7 @@ from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from tests.backend_utils import rng_normal
 from tests.backend_utils import to_numpy
+from tests.torch_ops_utils import counting_linear_folded
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch", reason="torch backend only"
@@ -304,32 +305,21 @@ class FastCallTest(parameterized.TestCase):
             keras.utils.set_random_seed(0)
             layer = make()
             layer.build((2, 8, 32))
-            calls = []
-            ext = L._ext()
-
-            class Counting:
-                def __getattr__(self, name):
-                    return getattr(ext, name)
-
-                def linear_folded(self, *args):
-                    out = ext.linear_folded(*args)
-                    calls.append(out is not None)
-                    return out
-
-            L._ext_cache[0], saved_fast = Counting(), L.FAST_PATH
+            saved_fast = L.FAST_PATH
             L.FAST_PATH = fast
             try:
-                outs = []
-                for step in range(3):
-                    x = self._bf16((2, 8, 32), step).requires_grad_()
-                    y = layer(x, training=True)
-                    y.float().square().sum().backward()
-                    layer.grad_amax_pending.assign(layer.grad_amax_pending.value.grad)
-                    outs += [y.detach(), x.grad, layer._kernel.value.grad, layer.bias.value.grad]
-                    for v in layer.trainable_variables:
-                        v.value.grad = None
+                with counting_linear_folded() as calls:
+                    outs = []
+                    for step in range(3):
+                        x = self._bf16((2, 8, 32), step).requires_grad_()
+                        y = layer(x, training=True)
+                        y.float().square().sum().backward()
+                        layer.grad_amax_pending.assign(layer.grad_amax_pending.value.grad)
+                        outs += [y.detach(), x.grad, layer._kernel.value.grad, layer.bias.value.grad]
+                        for v in layer.trainable_variables:
+                            v.value.grad = None
             finally:
-                L._ext_cache[0], L.FAST_PATH = ext, saved_fast
+                L.FAST_PATH = saved_fast
             self.assertEqual(calls, [True] * 3 if fast else [])
             results.append(outs + [v.value.clone() for v in layer.fp8_state_variables])
         for a, b in zip(*results):

@@ -9,6 +9,8 @@ from absl.testing import parameterized
 import torch_ops
 from torch_ops.fold import FOLD_COUNT_PERIOD
 
+from tests.torch_ops_utils import counting_linear_folded
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 F32 = np.float32
 needs_kernels = pytest.mark.skipif(
@@ -289,25 +291,8 @@ class LinearFoldedKernelTest(parameterized.TestCase):
         ("tuple_state", dict(as_tuple=True)),
     )
     def test_equals_python_composite(self, kw):
-        from torch_ops import linear as L
-
-        calls = []
-        ext = L._ext()
-
-        class Counting:
-            def __getattr__(self, name):
-                return getattr(ext, name)
-
-            def linear_folded(self, *args):
-                out = ext.linear_folded(*args)
-                calls.append(out is not None)
-                return out
-
-        L._ext_cache[0] = Counting()
-        try:
+        with counting_linear_folded() as calls:
             got = folded_steps("cuda", True, **kw)
-        finally:
-            L._ext_cache[0] = ext
         want = folded_steps("cuda", False, **kw)
         self.assertTrue(calls and all(calls), calls)
         self.assertEqual(len(got), len(want))
