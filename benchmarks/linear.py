@@ -191,6 +191,8 @@ def main(argv=None):
     p.add_argument("--shapes", default=None)
     p.add_argument("--iters", type=int, default=30, help="timed iterations per variant (split over --rounds)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--small-iters", type=int, default=200,
+                   help="--iters for shapes below the default min_gemm_size (host-bound, noisier)")
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--torchao-shapes", default="large", help="'large' (the 3 target shapes), 'all' or 'none'")
     a = p.parse_args(argv)
@@ -203,7 +205,10 @@ def main(argv=None):
     for (M, K, N) in shapes:
         use_ao = not a.no_torchao and (a.torchao_shapes == "all" or
                                        (a.torchao_shapes == "large" and (M, K, N) in LARGE))
-        rows, t = run_shape(M, K, N, a.iters, use_ao, a.rounds)
+        # Host-bound small steps (~0.3 ms) vary more between iterations: more
+        # samples for the same few milliseconds.
+        small = M * N * K < torch_ops.DEFAULT_MIN_GEMM_SIZE
+        rows, t = run_shape(M, K, N, a.small_iters if small else a.iters, use_ao, a.rounds)
         print(f"\n### {M} x {K} x {N} (M x K x N), forward + backward\n")
         print("| variant | ms | speed-up over bf16 |")
         print("|---|---|---|")
