@@ -87,6 +87,15 @@ def _(pending, fold_state, history, scale, fp8_dtype, margin, algo, window, upda
     return pending.new_empty(()), pending.new_empty(()), history.new_empty(history.shape)
 
 
+def check_channel(pending, fold_state):
+    """Raises a ValueError naming `pending` or `fold_state` unless each is a
+    float32 tensor of shape (3,)."""
+    for name, t in (("pending", pending), ("fold_state", fold_state)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (3,):
+            raise ValueError(f"{name}: expected a float32 tensor of shape (3,), got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+
+
 def fold_pending_grad_amax(
     pending: torch.Tensor,
     fold_state: torch.Tensor,
@@ -135,10 +144,7 @@ def fold_pending_grad_amax(
     """
     if amax_compute_algo not in _ALGOS:
         raise ValueError(f"amax_compute_algo: expected one of {_ALGOS}, got {amax_compute_algo!r}")
-    for name, t, n in (("pending", pending, 3), ("fold_state", fold_state, 3)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (n,):
-            raise ValueError(f"{name}: expected a float32 tensor of shape ({n},), got "
-                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    check_channel(pending, fold_state)
     if amax_history.dim() != 1 or amax_history.dtype != torch.float32 or amax_history.numel() < 1:
         raise ValueError(f"amax_history: expected a non-empty 1-D float32 tensor, got "
                          f"{amax_history.dtype} {tuple(amax_history.shape)}")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from . import _build
 from . import _ops
 from . import emulation as emu
+from .fold import check_channel
 from .fold import fold_pending_grad_amax
 
 E4M3 = torch.float8_e4m3fn
@@ -436,6 +437,10 @@ def _fp8_linear_folded_python(x, weight, bias, state, pending, fold_state, fp8_f
                               window, weight_layout, training, min_gemm_size):
     if fp8_format not in _FORMATS:
         raise ValueError(f"fp8_format: expected one of {_FORMATS}, got {fp8_format!r}")
+    # Checked whether or not this call folds (the C++ entry checks them always).
+    check_channel(pending, fold_state)
+    if window is not None and window < 1:
+        raise ValueError(f"window: expected >= 1, got {window}")
     s = state if isinstance(state, FP8LinearState) else FP8LinearState(*state)
     token = None
     if training:

@@ -216,6 +216,27 @@ class LinearFoldedTest(parameterized.TestCase):
     """fp8_linear_folded (the Keras layers' call): the fold, then fp8_linear
     with `pending` as the gradient channel."""
 
+    @parameterized.named_parameters(
+        ("pending_shape", dict(pending=torch.zeros(2)), ValueError, "pending"),
+        ("pending_dtype", dict(pending=torch.zeros(3, dtype=torch.float64)), ValueError, "pending"),
+        ("fold_state_shape", dict(fold_state=torch.zeros(4)), ValueError, "fold_state"),
+        ("fold_state_not_tensor", dict(fold_state=[0.0, 0.0, 0.0]), ValueError, "fold_state"),
+        ("window", dict(window=0), ValueError, "window"),
+        ("fp8_format", dict(fp8_format="e5m2"), ValueError, "fp8_format"),
+        ("x_dtype", dict(x=torch.zeros(8, 16, dtype=torch.int32)), TypeError, "x:"),
+        ("weight_shape", dict(weight=torch.zeros(16)), ValueError, "weight:"),
+    )
+    def test_bad_arguments_are_named(self, override, error, name):
+        from torch_ops import linear as L
+
+        for training in (True, False):
+            kwargs = dict(x=torch.randn(8, 16), weight=torch.randn(16, 4), state=torch_ops.FP8LinearState.create(4),
+                          pending=torch.zeros(3), fold_state=torch.zeros(3), weight_layout="in_out",
+                          training=training)
+            kwargs.update(override)
+            with self.assertRaisesRegex(error, name):
+                L.fp8_linear_folded(**kwargs)
+
     def test_gradient_channel_and_fold(self):
         from torch_ops import linear as L
 
