@@ -326,6 +326,18 @@ def _fast_ext(x, weight):
     return _ext_cache[0] if _ext_cache else _ext()
 
 
+def _call_entry(entry, *args):
+    """`entry(*args)` (a C++ entry point), or None where pybind11 rejects the
+    argument types (not tensors where tensors go): the Python path then runs
+    and names the argument."""
+    try:
+        return entry(*args)
+    except TypeError as e:
+        if "incompatible function arguments" in str(e):
+            return None
+        raise
+
+
 def _gemm_limit(min_gemm_size):
     return DEFAULT_MIN_GEMM_SIZE if min_gemm_size is None else int(min(min_gemm_size, 1 << 62))
 
@@ -345,14 +357,9 @@ def _fast(x, weight, bias, state, fp8_format, scaling, margin, amax_compute_algo
     s = state
     ts = (s.input_scale, s.input_amax_history, s.kernel_scale, s.kernel_amax_history, s.grad_scale,
           s.grad_amax_history)
-    try:
-        # Tensor arguments are checked in C++ (same messages as _check).
-        return ext.linear(x, weight, bias, ts, fmt, sc, mdiv, algo, in_out, bool(training), grad_amax_sink,
-                          _gemm_limit(min_gemm_size))
-    except TypeError as e:
-        if "incompatible function arguments" in str(e):
-            return None  # not tensors where tensors go: the Python path says which
-        raise
+    # Tensor arguments are checked in C++ (same messages as _check).
+    return _call_entry(ext.linear, x, weight, bias, ts, fmt, sc, mdiv, algo, in_out, bool(training), grad_amax_sink,
+                       _gemm_limit(min_gemm_size))
 
 
 def fp8_linear(
@@ -514,14 +521,9 @@ def fp8_linear_folded(
                 s = state
                 state = (s.input_scale, s.input_amax_history, s.kernel_scale, s.kernel_amax_history, s.grad_scale,
                          s.grad_amax_history)
-            try:
-                out = ext.linear_folded(x, weight, bias, pending, fold_state, state, args[0], args[2], args[3],
-                                        0 if window is None else int(window), args[4], bool(training),
-                                        _gemm_limit(min_gemm_size))
-            except TypeError as e:
-                if "incompatible function arguments" not in str(e):
-                    raise
-                out = None
+            out = _call_entry(ext.linear_folded, x, weight, bias, pending, fold_state, state, args[0], args[2],
+                              args[3], 0 if window is None else int(window), args[4], bool(training),
+                              _gemm_limit(min_gemm_size))
             if out is not None:
                 return out
     return _fp8_linear_folded_python(x, weight, bias, state, pending, fold_state, fp8_format, margin,
