@@ -14,6 +14,11 @@ autocast, fused AdamW, optionally torchao float8 tensorwise + torch.compile).
 Prints ms/step (median over the timed steps) and the loss of every step, as
 one `RESULT` line (JSON) for the side-by-side table.
 
+`--interleave mixed_bfloat16,fp8_hybrid --rounds 5` builds both Keras models
+in one process and alternates their fit() calls, so that the ratio is not at
+the mercy of one process's luck (host-bound small models varied 0.83x-1.20x
+between processes).
+
 `--jit` (default `auto`): Keras's own default, i.e. `model.fit` is one XLA
 program under JAX and eager under torch; `--jit` alone also compiles the
 plain-torch stack with torch.compile. (An earlier version passed
@@ -118,6 +123,49 @@ def run_keras(args):
     return stamps, losses
 
 
+def run_keras_interleaved(args):
+    """Both policies of `--interleave` in one process, their fit() calls
+    alternating for `--rounds` rounds (after one warm-up fit each), so that
+    drifts of the machine fall on both alike. Returns {policy: (step ms
+    list, losses)}; a sample is one step's time within a fit call (the first
+    step of each call, which includes fit's setup, is left out)."""
+    import keras
+
+    policies = args.interleave.split(",")
+    models = {}
+    for policy in policies:
+        args.policy = policy
+        models[policy] = keras_model(args)
+    keras.mixed_precision.set_global_policy("float32")
+    x, y = data(args)
+    steps = {p: [] for p in policies}
+    losses = {p: [] for p in policies}
+
+    def fit(policy, batches):
+        stamps, step_losses = [], []
+
+        class Timer(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                step_losses.append(float(logs["loss"]))  # forces the step to finish
+                stamps.append(time.perf_counter())
+
+        n = batches * args.batch
+        models[policy].fit(x[:n], y[:n], batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
+                           callbacks=[Timer()])
+        return list(np.diff(stamps) * 1e3), step_losses
+
+    for policy in policies:
+        fit(policy, args.warmup)
+    for r in range(args.rounds):
+        for policy in policies:
+            ms, ls = fit(policy, args.steps)
+            steps[policy] += ms
+            losses[policy] += ls
+        print(f"round {r}: " + ", ".join(f"{p} {statistics.median(steps[p]):.2f} ms/step so far" for p in policies),
+              flush=True)
+    return {p: (steps[p], losses[p]) for p in policies}
+
+
 def run_torch(args):
     import torch
     import torch.nn as nn
@@ -208,12 +256,28 @@ def parse_args(argv=None):
     add_model_arguments(parser)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--interleave", default=None,
+                        help="e.g. mixed_bfloat16,fp8_hybrid: both Keras models in one process, fit() calls "
+                             "alternating for --rounds rounds of --steps steps (after --warmup steps each)")
+    parser.add_argument("--rounds", type=int, default=5)
     return parser.parse_args(argv)
 
 
 def main():
     args = parse_args()
     start = time.perf_counter()
+    if args.interleave:
+        import keras
+
+        results = run_keras_interleaved(args)
+        med = {p: statistics.median(ms) for p, (ms, _) in results.items()}
+        for p, (ms, ls) in results.items():
+            print("RESULT " + json.dumps({"stack": f"keras-{keras.backend.backend()} {p} (interleaved)",
+                                          "ms_per_step": med[p], "steps_timed": len(ms), "losses": ls}))
+        a, b = list(med)
+        print(f"RATIO {b} vs {a}: {med[a] / med[b]:.3f}x steps/s ({med[a]:.2f} vs {med[b]:.2f} ms/step, "
+              f"medians over {len(results[a][0])} steps each)")
+        return
     stamps, losses = (run_keras if args.stack == "keras" else run_torch)(args)
     steps = np.diff(stamps[args.warmup - 1:]) * 1e3
     if args.stack == "keras":

@@ -51,26 +51,41 @@ def main(argv=None):
         q = (x.float() / s).clamp(-448, 448).to(e4)
         return q, q.t().contiguous()
 
+    def delayed_t():
+        return torch_ops.quantize_delayed(x, hist, scale, e4, transpose=True)
+
+    # (name, fn, bytes, transposing kernel version or None)
     variants = [
-        ("device copy (x.clone())", lambda: x.clone(), 2 * n * 2),
-        ("eager torch: amax + scale + cast + transpose", eager, 2 * n + n + n),
-        ("ours: quantize (given scale), q + amax", lambda: torch_ops.quantize(x, s_fixed, e4), 2 * n + n),
-        ("ours: quantize_delayed, q + q_t + amax + history + next scale",
-         lambda: torch_ops.quantize_delayed(x, hist, scale, e4, transpose=True), 2 * n + 2 * n),
+        ("device copy (x.clone())", lambda: x.clone(), 2 * n * 2, None),
+        ("eager torch: amax + scale + cast + transpose", eager, 2 * n + n + n, None),
+        ("ours: quantize (given scale), q + amax", lambda: torch_ops.quantize(x, s_fixed, e4), 2 * n + n, None),
+        ("ours: quantize (given scale), q + q_t + amax",
+         lambda: torch_ops.quantize(x, s_fixed, e4, transpose=True), 2 * n + 2 * n, None),
+        ("ours: quantize_delayed, q + q_t + amax + history + next scale", delayed_t, 2 * n + 2 * n, None),
+        ("ours: the same, tile kernel v2 (register loads)", delayed_t, 2 * n + 2 * n, 2),
+        ("ours: the same, tile kernel v3 (cp.async double buffer)", delayed_t, 2 * n + 2 * n, 3),
         ("ours: quantize_delayed, q + amax + history (no transpose)",
-         lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n),
+         lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n, None),
+        ("ours: amax + history only (no fp8 output)",
+         lambda: torch.ops.torch_ops.quantize_delayed(x, hist, scale, e4, 0.0, "max", False, True, True, False),
+         2 * n, None),
         ("ours: quantize_current (two passes over x), q + q_t",
-         lambda: torch_ops.quantize_current(x, e4, transpose=True), 2 * n + 2 * n),
+         lambda: torch_ops.quantize_current(x, e4, transpose=True), 2 * n + 2 * n, None),
     ]
+    ext = torch_ops._build.load()
     props = torch.cuda.get_device_properties(0)
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {props.name}; torch {torch.__version__}; "
           f"CUDA {torch.version.cuda}; x = {R} x {C} bfloat16")
     print("\nGPU time from CUDA-graph replay (10 calls per graph); 'eager us' adds the host-side launch path.\n")
     print("| variant | us (graph) | bytes (min) | TB/s | eager us |")
     print("|---|---|---|---|---|")
-    for name, fn, nbytes in variants:
-        ms = bench_graph(fn)
-        ms_e = bench(fn, a.iters)
+    for name, fn, nbytes, version in variants:
+        prev = ext.set_tile_version(version or 0)
+        try:
+            ms = bench_graph(fn)
+            ms_e = bench(fn, a.iters)
+        finally:
+            ext.set_tile_version(prev)
         print(f"| {name} | {ms * 1e3:.1f} | {nbytes / 1e6:.0f} MB | {nbytes / (ms * 1e-3) / 1e12:.2f} | {ms_e * 1e3:.1f} |")
 
 

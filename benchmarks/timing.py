@@ -5,15 +5,17 @@ import statistics
 import torch
 
 
-def _timed_ms(fn):
-    """Milliseconds of one `fn()` between two CUDA events, synchronized."""
+def _timed_ms(fn, calls=1):
+    """Milliseconds per call of `calls` back-to-back `fn()` calls between two
+    CUDA events, synchronized once at the end."""
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     start.record()
-    fn()
+    for _ in range(calls):
+        fn()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end) / calls
 
 
 def cuda_median_ms(fn, iters=30, warmup=5):
@@ -47,7 +49,7 @@ def cuda_graph_median_ms(fn, iters=20, warmup=3, per_graph=1):
     return cuda_median_ms(graph.replay, iters, warmup) / per_graph
 
 
-def interleaved_median_ms(fns, rounds=5, iters=6, warmup=3):
+def interleaved_median_ms(fns, rounds=5, iters=6, warmup=3, calls=1):
     """`cuda_median_ms` for several functions measured side by side.
 
     Each of `rounds` rounds times every function `iters` times in turn, so
@@ -57,6 +59,11 @@ def interleaved_median_ms(fns, rounds=5, iters=6, warmup=3):
 
     Args:
         fns: Dict from name to a function of no arguments.
+        calls: Back-to-back calls per sample (per-call time of the sample).
+            1 (default): each call synchronized on its own, so host time
+            before the first kernel counts in full (latency); more: the
+            host queues ahead of the GPU, and a sample is max(host, GPU)
+            time per call (throughput, as inside a training loop).
 
     Returns:
         Dict from name to median milliseconds.
@@ -68,5 +75,5 @@ def interleaved_median_ms(fns, rounds=5, iters=6, warmup=3):
     samples = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            samples[name] += [_timed_ms(fn) for _ in range(iters)]
+            samples[name] += [_timed_ms(fn, calls) for _ in range(iters)]
     return {name: statistics.median(times) for name, times in samples.items()}

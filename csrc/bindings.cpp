@@ -11,6 +11,7 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
                      const at::Tensor& scale_used, const at::Tensor& amax_out, const at::Tensor& history,
                      const at::Tensor& scale_state, const at::Tensor& hist_for_empty, const at::Tensor& q,
                      long long ldq, const at::Tensor& qt, long long ldqt, int algo, double mdiv, bool skip_zero);
+int set_tile_version(int version);
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt, int algo,
                         double mdiv, bool skip_zero);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
@@ -130,6 +131,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_current", &quantize_current,
         "x, prev_scale, fmt, mdiv, transpose, pad, write_q -> (q, qt, scale_used, amax)");
   m.def("record_amax", &record_amax, "history, scale, amax, fmt, mdiv, algo, skip_zero");
+  m.def("set_tile_version", &torch_ops::set_tile_version,
+        "version (0 default, 1, 2, 3): the transposing quantize kernel of this process -> previous override");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
   m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "

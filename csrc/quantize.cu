@@ -16,6 +16,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -28,6 +29,8 @@ namespace torch_ops {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kRedWords = 64;  // shared words of the block reductions (two values)
+constexpr int kHistPer = 8;    // history entries per thread in the one-pass finalize
 // Input rows per tile: 64 (default; 4 blocks/SM, no spills) or 128 (3
 // blocks/SM, twice the loads in flight per thread, 128-byte rows of q_t, a
 // few spilled registers); TORCH_OPS_QTILE_R=128 picks the latter.
@@ -194,6 +197,96 @@ __device__ void record_in_block(float amax, const Finalize& f, unsigned* smem) {
   if (threadIdx.x == 0) *f.scale_state = compute_scale(window, *f.scale_used, f.fmax, f.mdiv);
 }
 
+// As torch.amax over a history: NaN wins (its bits are above inf's); a
+// negative entry (never written by us) counts as 0.
+__device__ __forceinline__ unsigned window_bits(float h) {
+  const unsigned b = __float_as_uint(h);
+  return isnan(h) ? 0x7fc00000u : ((b & 0x80000000u) ? 0u : b);
+}
+
+// Max of two values over the block (warp maxima in smem[0..31] and
+// smem[32..63]); every thread gets both. Also a barrier.
+__device__ __forceinline__ void block_reduce_max2(unsigned& a, unsigned& b, unsigned* smem) {
+  a = __reduce_max_sync(0xffffffffu, a);
+  b = __reduce_max_sync(0xffffffffu, b);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) {
+    smem[warp] = a;
+    smem[32 + warp] = b;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const bool in = lane < (int)(blockDim.x >> 5);
+    unsigned wa = in ? smem[lane] : 0u, wb = in ? smem[32 + lane] : 0u;
+    wa = __reduce_max_sync(0xffffffffu, wa);
+    wb = __reduce_max_sync(0xffffffffu, wb);
+    if (lane == 0) {
+      smem[0] = wa;
+      smem[32] = wb;
+    }
+  }
+  __syncthreads();
+  a = smem[0];
+  b = smem[32];
+}
+
+// The last block's seed + record in one pass over the history: each thread
+// holds up to kHistPer entries in registers, one two-value reduction gives
+// "history not empty" (seed rule) and the window max after the shift, then
+// the shifted history is written back. Same results as the seed check +
+// record_in_block below (which remain for histories longer than
+// kHistPer * blockDim.x, or a seed history other than the recorded one).
+// Returns false where it does not apply (nothing done then).
+__device__ bool finalize_one_pass(float amax, const Finalize& f, unsigned* smem) {
+  if (f.seed_mode == 1 && f.history && f.seed_history != f.history) return false;
+  const float* h = f.history ? f.history : (f.seed_mode == 1 ? f.seed_history : nullptr);
+  const long long H = f.history ? f.H : (f.seed_mode == 1 ? f.seed_H : 0);
+  if (H > (long long)kHistPer * blockDim.x) return false;
+  bool ok = isfinite(amax);
+  if (f.skip_zero) ok = ok && amax > 0.f;
+  const bool shift = f.history != nullptr && ok && H > 0;
+  float v[kHistPer];
+  unsigned nonzero = 0u, m = 0u;
+#pragma unroll
+  for (int k = 0; k < kHistPer; ++k) {
+    const long long i = threadIdx.x + (long long)k * blockDim.x;
+    v[k] = 0.f;
+    if (h && i < H) {
+      v[k] = h[i];
+      nonzero |= abs_bits(v[k]) ? 1u : 0u;
+      if (!shift || i < H - 1) m = max(m, window_bits(v[k]));  // entries that stay in the window
+    }
+  }
+  if (shift && threadIdx.x == 0) m = max(m, window_bits(amax));
+  block_reduce_max2(nonzero, m, smem);  // every read is done before the writes below
+  if (shift) {
+#pragma unroll
+    for (int k = 0; k < kHistPer; ++k) {
+      const long long i = threadIdx.x + (long long)k * blockDim.x;
+      if (i < H - 1) f.history[i + 1] = v[k];
+    }
+    if (threadIdx.x == 0) f.history[0] = amax;
+  }
+  if (threadIdx.x == 0) {
+    float used;
+    if (f.seed_mode) {
+      const float prev = f.prev_scale ? *f.prev_scale : 1.0f;
+      const bool from_amax = f.seed_mode == 2 || nonzero == 0u;
+      used = from_amax ? compute_scale(amax, prev, f.fmax, f.mdiv) : prev;
+      *f.scale_used_out = used;
+    } else {
+      used = *f.scale_used;
+    }
+    if (f.history) {
+      // v[0] of thread 0 is the newest entry before this call.
+      const float window = f.algo == 1 ? (H > 0 ? (shift ? amax : v[0]) : 0.f) : __uint_as_float(m);
+      *f.scale_state = compute_scale(window, used, f.fmax, f.mdiv);
+    }
+  }
+  return true;
+}
+
 // Called by every block at its end with the block's amax bits (thread 0's
 // value is the block max). The last block finalizes.
 __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem, unsigned nblocks) {
@@ -209,20 +302,23 @@ __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem
   __threadfence();
   float amax = __uint_as_float(atomicAdd(&f.ws[0], 0u));
   if (threadIdx.x == 0 && f.amax_out) *f.amax_out = amax;
-  if (f.seed_mode) {
-    bool from_amax = true;
-    if (f.seed_mode == 1) {
-      unsigned m = 0u;
-      for (long long i = threadIdx.x; i < f.seed_H; i += blockDim.x) m = max(m, abs_bits(f.seed_history[i]) ? 1u : 0u);
-      from_amax = block_reduce_max(m, smem) == 0u;
+  if (!finalize_one_pass(amax, f, smem)) {
+    if (f.seed_mode) {
+      bool from_amax = true;
+      if (f.seed_mode == 1) {
+        unsigned m = 0u;
+        for (long long i = threadIdx.x; i < f.seed_H; i += blockDim.x)
+          m = max(m, abs_bits(f.seed_history[i]) ? 1u : 0u);
+        from_amax = block_reduce_max(m, smem) == 0u;
+      }
+      if (threadIdx.x == 0) {
+        const float prev = f.prev_scale ? *f.prev_scale : 1.0f;
+        *f.scale_used_out = from_amax ? compute_scale(amax, prev, f.fmax, f.mdiv) : prev;
+      }
+      __syncthreads();
     }
-    if (threadIdx.x == 0) {
-      const float prev = f.prev_scale ? *f.prev_scale : 1.0f;
-      *f.scale_used_out = from_amax ? compute_scale(amax, prev, f.fmax, f.mdiv) : prev;
-    }
-    __syncthreads();
+    if (f.history) record_in_block(amax, f, smem);
   }
-  if (f.history) record_in_block(amax, f, smem);
   __syncthreads();
   if (threadIdx.x == 0) {
     f.ws[0] = 0u;
@@ -239,7 +335,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_prepass_kernel(
     const T* __restrict__ x, long long n, bool vec, const float* history, long long H, bool delayed,
     const float* prev_scale, float* scale_used, unsigned* ws, float fmax, float mdiv) {
-  __shared__ unsigned smem[32];
+  __shared__ unsigned smem[kRedWords];
   if (delayed) {
     unsigned m = 0u;
     for (long long i = threadIdx.x; i < H; i += blockDim.x) m = max(m, abs_bits(history[i]) ? 1u : 0u);
@@ -292,7 +388,7 @@ __global__ void __launch_bounds__(kThreads) amax_prepass_kernel(
 template <typename T, bool kE5M2>
 __global__ void __launch_bounds__(kThreads) quant_flat_kernel(
     const T* __restrict__ x, long long n, bool vec, uint8_t* __restrict__ q, Finalize f) {
-  __shared__ unsigned smem[32];
+  __shared__ unsigned smem[kRedWords];
   const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
   unsigned local = 0u;
   const long long stride = (long long)gridDim.x * blockDim.x;
@@ -337,7 +433,7 @@ template <typename T, bool kE5M2, int TR>
 __global__ void __launch_bounds__(kThreads, TR == 64 ? 4 : 3) quant_tile_kernel(
     const T* __restrict__ x, long long R, long long C, bool vec, uint8_t* __restrict__ q, long long ldq,
     uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
-  __shared__ unsigned smem[32];
+  __shared__ unsigned smem[kRedWords];
   __shared__ __align__(16) uint8_t tile[TR * kSmemStride];
   const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
   unsigned local = 0u;
@@ -457,12 +553,91 @@ __device__ __forceinline__ void transpose4x4(unsigned a, unsigned b, unsigned c,
   w[3] = __byte_perm(t1, t3, 0x7632);
 }
 
+// One 64 x 128 tile of quant_tile2_kernel / quant_tile3_kernel after its
+// loads: `raw` holds rows r0 + 4g .. r0 + 4g + 3, columns c0 + 8 lv .. + 7
+// (zeros outside x). Quantizes, accumulates the amax bits into `local`,
+// stores q and (through the shared tile) qt. Ends with a barrier when qt is
+// written.
+template <typename T, bool kE5M2>
+__device__ __forceinline__ void quant_store_tile2(const Raw8<T>* raw, long long r0, long long c0, long long R,
+                                                  long long C, uint8_t* __restrict__ q, long long ldq,
+                                                  uint8_t* __restrict__ qt, long long ldqt, float s, int lv, int g,
+                                                  unsigned& local, unsigned* tile_t) {
+  constexpr int TR = 64;
+  const long long c = c0 + lv * 8;
+  uint2 o[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const long long r = r0 + 4 * g + j;
+    float e[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = to_f32(raw[j].t[i]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[i]));
+    o[j].x = (unsigned)q2<kE5M2>(e[0], e[1], s) | ((unsigned)q2<kE5M2>(e[2], e[3], s) << 16);
+    o[j].y = (unsigned)q2<kE5M2>(e[4], e[5], s) | ((unsigned)q2<kE5M2>(e[6], e[7], s) << 16);
+    // Elements outside x are padding: exact zero bytes, whatever the scale.
+    if (!(r < R && c + 8 <= C)) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (!(r < R && c + i < C)) {
+          if (i < 4) o[j].x &= ~(0xffu << (8 * i));
+          else o[j].y &= ~(0xffu << (8 * (i - 4)));
+        }
+      }
+    }
+    if (q && r < R) {
+      if (c + 8 <= ldq && (ldq & 7) == 0) {
+        *reinterpret_cast<uint2*>(q + r * ldq + c) = o[j];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (c + i < ldq) q[r * ldq + c + i] = (uint8_t)(((i < 4 ? o[j].x : o[j].y) >> (8 * (i & 3))) & 0xffu);
+      }
+    }
+  }
+  if (qt) {
+    unsigned w[8];
+    transpose4x4(o[0].x, o[1].x, o[2].x, o[3].x, w);
+    transpose4x4(o[0].y, o[1].y, o[2].y, o[3].y, w + 4);
+    const int k = g >> 2, jw = g & 3;  // chunk and word of rows 4g..4g+3
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int cc = lv * 8 + i;
+      tile_t[cc * (TR / 4) + 4 * (k ^ ((cc >> 3) & 3)) + jw] = w[i];
+    }
+    __syncthreads();
+    // kTileC rows x 4 chunks = 512 chunks, 2 per thread, 4 lanes per row.
+#pragma unroll
+    for (int it = 0; it < (kTileC * (TR / 16)) / kThreads; ++it) {
+      const int slot = threadIdx.x + it * kThreads;
+      const int cc = slot >> 2;                   // qt row within the tile
+      const int kp = slot & 3;                    // chunk position in shared memory
+      const int kl = kp ^ ((cc >> 3) & 3);        // logical chunk: x rows r0 + 16 kl ..
+      const long long orow = c0 + cc;
+      const long long ocol = r0 + 16 * kl;
+      if (orow < C) {
+        const uint4 v = *reinterpret_cast<const uint4*>(&tile_t[cc * (TR / 4) + 4 * kp]);
+        if (ocol + 16 <= ldqt && (ldqt & 15) == 0) {
+          *reinterpret_cast<uint4*>(qt + orow * ldqt + ocol) = v;
+        } else {
+          const unsigned wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int i = 0; i < 16; ++i)
+            if (ocol + i < ldqt) qt[orow * ldqt + ocol + i] = (uint8_t)((wv[i >> 2] >> (8 * (i & 3))) & 0xffu);
+        }
+      }
+    }
+    __syncthreads();  // the next tile reuses the shared tile
+  }
+}
+
 template <typename T, bool kE5M2>
 __global__ void __launch_bounds__(kThreads, 4) quant_tile2_kernel(
     const T* __restrict__ x, long long R, long long C, bool vec, uint8_t* __restrict__ q, long long ldq,
     uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
   constexpr int TR = 64;
-  __shared__ unsigned smem[32];
+  __shared__ unsigned smem[kRedWords];
   // qt tile: kTileC rows of TR bytes = 16 words; chunk k (rows 16k..16k+15 of
   // x) of qt row cc sits at chunk position k ^ ((cc >> 3) & 3).
   __shared__ __align__(16) unsigned tile_t[kTileC * (TR / 4)];
@@ -489,72 +664,78 @@ __global__ void __launch_bounds__(kThreads, 4) quant_tile2_kernel(
           if (r < R && c + i < C) raw[j].t[i] = x[r * C + c + i];
       }
     }
-    uint2 o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const long long r = r0 + 4 * g + j;
-      float e[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) e[i] = to_f32(raw[j].t[i]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[i]));
-      o[j].x = (unsigned)q2<kE5M2>(e[0], e[1], s) | ((unsigned)q2<kE5M2>(e[2], e[3], s) << 16);
-      o[j].y = (unsigned)q2<kE5M2>(e[4], e[5], s) | ((unsigned)q2<kE5M2>(e[6], e[7], s) << 16);
-      // Elements outside x are padding: exact zero bytes, whatever the scale.
-      if (!(r < R && c + 8 <= C)) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (!(r < R && c + i < C)) {
-            if (i < 4) o[j].x &= ~(0xffu << (8 * i));
-            else o[j].y &= ~(0xffu << (8 * (i - 4)));
-          }
-        }
-      }
-      if (q && r < R) {
-        if (c + 8 <= ldq && (ldq & 7) == 0) {
-          *reinterpret_cast<uint2*>(q + r * ldq + c) = o[j];
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            if (c + i < ldq) q[r * ldq + c + i] = (uint8_t)(((i < 4 ? o[j].x : o[j].y) >> (8 * (i & 3))) & 0xffu);
-        }
-      }
-    }
-    if (qt) {
-      unsigned w[8];
-      transpose4x4(o[0].x, o[1].x, o[2].x, o[3].x, w);
-      transpose4x4(o[0].y, o[1].y, o[2].y, o[3].y, w + 4);
-      const int k = g >> 2, jw = g & 3;  // chunk and word of rows 4g..4g+3
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int cc = lv * 8 + i;
-        tile_t[cc * (TR / 4) + 4 * (k ^ ((cc >> 3) & 3)) + jw] = w[i];
-      }
-      __syncthreads();
-      // kTileC rows x 4 chunks = 512 chunks, 2 per thread, 4 lanes per row.
-#pragma unroll
-      for (int it = 0; it < (kTileC * (TR / 16)) / kThreads; ++it) {
-        const int slot = threadIdx.x + it * kThreads;
-        const int cc = slot >> 2;                   // qt row within the tile
-        const int kp = slot & 3;                    // chunk position in shared memory
-        const int kl = kp ^ ((cc >> 3) & 3);        // logical chunk: x rows r0 + 16 kl ..
-        const long long orow = c0 + cc;
-        const long long ocol = r0 + 16 * kl;
-        if (orow < C) {
-          const uint4 v = *reinterpret_cast<const uint4*>(&tile_t[cc * (TR / 4) + 4 * kp]);
-          if (ocol + 16 <= ldqt && (ldqt & 15) == 0) {
-            *reinterpret_cast<uint4*>(qt + orow * ldqt + ocol) = v;
-          } else {
-            const unsigned wv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int i = 0; i < 16; ++i)
-              if (ocol + i < ldqt) qt[orow * ldqt + ocol + i] = (uint8_t)((wv[i >> 2] >> (8 * (i & 3))) & 0xffu);
-          }
-        }
-      }
-      __syncthreads();  // the next tile reuses the shared tile
-    }
+    quant_store_tile2<T, kE5M2>(raw, r0, c0, R, C, q, ldq, qt, ldqt, s, lv, g, local, tile_t);
   }  // tiles
+  unsigned bm = block_reduce_max(local, smem);
+  block_done(bm, f, smem, gridDim.x);
+}
+
+// 16-byte asynchronous global -> shared copy (zero-filled when !valid).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src, bool valid) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---------------------------------------------------------------------------
+// Tile kernel, v3 (default for 16-bit inputs with 8-column vector access):
+// quant_tile2_kernel's tiles, outputs and shared-memory transpose, with the
+// input tile brought in by cp.async into a double buffer, so that the next
+// tile's 16 KB are in flight while this one is quantized and stored.
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
+    const T* __restrict__ x, long long R, long long C, uint8_t* __restrict__ q, long long ldq,
+    uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
+  static_assert(sizeof(T) == 2, "quant_tile3_kernel: 16-bit inputs");
+  constexpr int TR = 64;
+  constexpr int kRowBytes = kTileC * 2;            // 256
+  constexpr int kChunksPerRow = kRowBytes / 16;    // 16
+  constexpr int kChunks = TR * kChunksPerRow;      // 1024: 4 per thread
+  __shared__ unsigned smem[kRedWords];
+  __shared__ __align__(16) unsigned tile_t[kTileC * (TR / 4)];
+  __shared__ __align__(16) uint8_t in_buf[2][TR * kRowBytes];
+  const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
+  unsigned local = 0u;
+  const int lv = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const long long ntx = (ext_c + kTileC - 1) / kTileC;
+  const long long ntiles = ntx * ((ext_r + TR - 1) / TR);
+  auto issue = [&](long long tile_id, int b) {
+    const long long r0 = (tile_id / ntx) * TR;
+    const long long c0 = (tile_id % ntx) * kTileC;
+#pragma unroll
+    for (int it = 0; it < kChunks / kThreads; ++it) {
+      const int k = threadIdx.x + it * kThreads;
+      const int rr = k / kChunksPerRow, cc = k % kChunksPerRow;
+      const long long r = r0 + rr, c = c0 + cc * 8;
+      const bool valid = r < R && c < C;  // C % 8 == 0: a chunk is all in or all out
+      cp_async16(&in_buf[b][rr * kRowBytes + cc * 16], valid ? (const void*)(x + r * C + c) : (const void*)x, valid);
+    }
+    cp_async_commit();
+  };
+  int b = 0;
+  if ((long long)blockIdx.x < ntiles) issue(blockIdx.x, 0);
+  for (long long tile_id = blockIdx.x; tile_id < ntiles; tile_id += gridDim.x, b ^= 1) {
+    const long long next = tile_id + gridDim.x;
+    if (next < ntiles) {
+      issue(next, b ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const long long r0 = (tile_id / ntx) * TR;
+    const long long c0 = (tile_id % ntx) * kTileC;
+    Raw8<T> raw[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) raw[j].u[0] = *reinterpret_cast<const uint4*>(&in_buf[b][(4 * g + j) * kRowBytes + lv * 16]);
+    quant_store_tile2<T, kE5M2>(raw, r0, c0, R, C, q, ldq, qt, ldqt, s, lv, g, local, tile_t);
+    if (!qt) __syncthreads();  // in_buf[b] is refilled in the next iteration
+  }
   unsigned bm = block_reduce_max(local, smem);
   block_done(bm, f, smem, gridDim.x);
 }
@@ -601,14 +782,15 @@ __device__ __forceinline__ void amax_record_job(const AmaxJob& j, unsigned* smem
 }
 
 __global__ void __launch_bounds__(kThreads) amax_record2_kernel(AmaxJob j0, AmaxJob j1) {
-  __shared__ unsigned smem[32];
+  __shared__ unsigned smem[kRedWords];
   if (blockIdx.y == 0) amax_record_job(j0, smem);
   else amax_record_job(j1, smem);
 }
 
 __global__ void record_amax_kernel(const float* amax, Finalize f) {
-  __shared__ unsigned smem[32];
-  record_in_block(*amax, f, smem);
+  __shared__ unsigned smem[kRedWords];
+  const float a = *amax;
+  if (!finalize_one_pass(a, f, smem)) record_in_block(a, f, smem);
 }
 
 int num_sms() {
@@ -629,14 +811,30 @@ int tile_rows() {
   return tr;
 }
 
-// Transposing tile kernel: 2 (default, quant_tile2_kernel) or 1 (the
-// previous quant_tile_kernel); TORCH_OPS_QTILE_R=128 implies 1.
+// Transposing tile kernel: 3 (default: quant_tile3_kernel where the input
+// is 16-bit with 8-column vector access, else quant_tile2_kernel), 2
+// (quant_tile2_kernel) or 1 (the first quant_tile_kernel); from
+// TORCH_OPS_QTILE=v1|v2|v3, TORCH_OPS_QTILE_R=128 implies 1. Benchmarks and
+// tests override it per process with set_tile_version (bindings).
+std::atomic<int> g_tile_override{0};
+
 int tile_version() {
+  const int o = g_tile_override.load(std::memory_order_relaxed);
+  if (o) return o;
   static const int v = [] {
     const char* e = std::getenv("TORCH_OPS_QTILE");
-    return (e && std::string(e) == "v1") ? 1 : 2;
+    const std::string s = e ? e : "";
+    return s == "v1" ? 1 : (s == "v2" ? 2 : 3);
   }();
   return tile_rows() == 128 ? 1 : v;
+}
+
+// Resident blocks per SM of a kernel at kThreads threads (for grid sizes).
+template <typename K>
+int blocks_per_sm(K kernel) {
+  int n = 0;
+  TORCH_OPS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+  return std::max(n, 1);
 }
 
 // Persistent workspace of the amax reductions, one per (device, stream):
@@ -762,7 +960,18 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       const long long ext_c = std::max<long long>(C, qp ? ldq : C);
       const long long ext_r = std::max<long long>(R, qtp ? ldqt : R);
       const int tr = tile_rows();
-      if (tile_version() == 2) {
+      const int version = tile_version();
+      if constexpr (sizeof(T) == 2) {
+        if (version == 3 && vec) {
+          const long long nt3 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
+          auto kernel = fmt == 1 ? quant_tile3_kernel<T, true> : quant_tile3_kernel<T, false>;
+          static const int per_sm = blocks_per_sm(kernel);  // same for both formats
+          const unsigned nb3 = (unsigned)std::max<long long>(1, std::min<long long>(nt3, (long long)per_sm * num_sms()));
+          kernel<<<nb3, kThreads, 0, stream>>>(xp, R, C, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
+          return;
+        }
+      }
+      if (version >= 2) {
         const long long nt2 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
         const unsigned nb2 = (unsigned)std::max<long long>(1, std::min<long long>(nt2, 4LL * num_sms()));
         if (fmt == 1)
@@ -788,6 +997,13 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
     }
   });
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+}
+
+// The transposing tile kernel (0: back to TORCH_OPS_QTILE; 1, 2, 3: that
+// version). Returns the previous override. For tests and benchmarks.
+int set_tile_version(int version) {
+  TORCH_CHECK(version >= 0 && version <= 3, "version: expected 0 (default), 1, 2 or 3, got ", version);
+  return g_tile_override.exchange(version);
 }
 
 // Delayed-scaling state update of two tensors (fp8_linear's small path):

@@ -105,6 +105,58 @@ class QuantizeKernelTest(parameterized.TestCase):
             assert_same_fp8(qt[:, :R], rq.t().contiguous())
             self.assertEqual(int(qt[:, R:].view(torch.uint8).sum()), 0)
 
+    @parameterized.product(
+        version=[1, 2, 3],
+        shape=[(64, 128), (4095, 4096), (1000, 136), (4097, 129), (16384, 4096)],
+        in_dtype=[torch.bfloat16, torch.float16],
+        dt=[E4M3, E5M2],
+    )
+    def test_tile_versions_equal_emulation(self, version, shape, in_dtype, dt):
+        """Every transposing kernel (set_tile_version) in the GEMM-ready padded
+        layout, aligned and ragged; (4097, 129) has no 8-column vector access
+        and takes quant_tile2_kernel under version 3."""
+        if shape == (16384, 4096) and (in_dtype == torch.float16 or dt == E5M2):
+            self.skipTest("one large case per version keeps the run short")
+        ext = torch_ops._build.load()
+        x = rand(shape, in_dtype, seed=version)
+        s = torch.tensor(0.173, device=DEV)
+        prev = ext.set_tile_version(version)
+        try:
+            poison()
+            q, qt, amax = torch.ops.torch_ops.quantize(x, s, dt, True, True, True)
+        finally:
+            ext.set_tile_version(prev)
+        R, C = shape
+        rq, _, ramax = emu.quantize(x, s, dt)
+        assert_same_fp8(q[:, :C], rq)
+        assert_same_fp8(qt[:, :R], rq.t().contiguous())
+        self.assertEqual(int(q[:, C:].view(torch.uint8).sum()) + int(qt[:, R:].view(torch.uint8).sum()), 0)
+        assert_same_f32(amax, ramax)
+
+    def test_set_tile_version_names_bad_version(self):
+        with self.assertRaisesRegex(RuntimeError, "version: expected 0"):
+            torch_ops._build.load().set_tile_version(7)
+
+    @parameterized.product(H=[1, 1024, 2048, 2049, 5000], algo=["max", "most_recent"])
+    def test_delayed_state_any_history_length(self, H, algo):
+        """Histories that fit the one-pass finalize (<= 2048 entries per
+        256-thread block) and longer ones (the chunked path) give the
+        emulation's state, through the transposing, flat and amax-only kernels."""
+        h, s = torch.zeros(H, device=DEV), torch.ones((), device=DEV)
+        rh, rs = h.clone(), s.clone()
+        for k in range(6):
+            x = rand((96, 40), torch.bfloat16, scale=3.0 * (k + 1), special=False, seed=50 + k)
+            if k == 2:
+                x[1, 1] = float("nan")  # not recorded
+            transpose, write_q = [(True, True), (False, True), (False, False)][k % 3]
+            _, _, su, a = torch.ops.torch_ops.quantize_delayed(x, h, s, E5M2, 0.5, algo, transpose, True, True,
+                                                               write_q)
+            _, _, rsu, ra = emu.quantize_delayed(x, rh, rs, E5M2, margin=0.5, amax_compute_algo=algo)
+            assert_same_f32(su, rsu)
+            assert_same_f32(a, ra)
+            assert_same_f32(h, rh)
+            assert_same_f32(s, rs)
+
     @parameterized.product(algo=["max", "most_recent"], dt=[E4M3, E5M2], margin=[0.0, 1.5])
     def test_delayed_state_matches_emulation(self, algo, dt, margin):
         H = 5
@@ -168,10 +220,10 @@ class QuantizeKernelTest(parameterized.TestCase):
         _, _, su, _ = torch_ops.quantize_current(torch.zeros(4, 4, device=DEV), dt, prev_scale=p)
         self.assertEqual(su.item(), 0.5 if prev else 1.0)
 
-    @parameterized.product(skip_zero=[False, True], algo=["max", "most_recent"])
-    def test_record_amax_matches_emulation(self, skip_zero, algo):
-        h = torch.rand(2000, device=DEV)  # longer than one block
-        h[1000:] = 0
+    @parameterized.product(skip_zero=[False, True], algo=["max", "most_recent"], H=[2000, 9000])
+    def test_record_amax_matches_emulation(self, skip_zero, algo, H):
+        h = torch.rand(H, device=DEV)  # longer than one block; 9000: longer than the one-pass finalize
+        h[H // 2:] = 0
         s = torch.full((), 0.1, device=DEV)
         rh, rs = h.clone(), s.clone()
         for v in [3.0, 0.0, float("inf"), float("nan"), 1e-3, 5000.0]:

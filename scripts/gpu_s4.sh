@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Fourth session's device calls (capped at $BUDGET s), by PHASES:
+#   build   python -m torch_ops build
+#   tests   tests/torch_ops + torch dispatch/saving/training tests (torch backend)
+#   qbench  benchmarks/quantize.py (tile kernels v2 and v3 side by side)
+#   linear  benchmarks/linear.py at all six shapes ($LINEAR_ARGS)
+#   small   the small Keras model, mixed_bfloat16 and fp8_hybrid interleaved in one process
+#   model   the issue's Keras model, mixed_bfloat16 then fp8_hybrid
+set -o pipefail
+export PYTHONUNBUFFERED=1 MAX_JOBS=12 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
+T0=$(date +%s); BUDGET=${BUDGET:-550}
+PHASES=${PHASES:-"build tests qbench"}
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+source "$(dirname "$0")/lib.sh"
+say "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader) $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)') $(git log -1 --format=%h 2>/dev/null) phases: $PHASES"
+if has build; then
+  step build 200 python3 -m torch_ops build; tail -3 "$OUT/build.txt" | tee -a "$LOG"
+fi
+if has tests; then
+  KERAS_BACKEND=torch step tests ${TESTS_LIMIT:-260} python3 -m pytest tests/torch_ops tests/test_torch_dispatch.py \
+    tests/test_saving.py tests/test_loss_scaling.py -q -p no:cacheprovider --tb=short -W ignore -x ${PYTEST_ARGS:-}
+  tail -1 "$OUT/tests.txt" | tee -a "$LOG"; grep -E "^FAILED|^ERROR|Error" "$OUT/tests.txt" | head -20 | tee -a "$LOG"
+fi
+if has qbench; then
+  step qbench 60 python3 benchmarks/quantize.py; grep "^|" "$OUT/qbench.txt" | tee -a "$LOG"
+fi
+if has linear; then
+  step linear ${LINEAR_LIMIT:-300} python3 benchmarks/linear.py ${LINEAR_ARGS:---iters 30 --rounds 5}
+  sed -n '/### summary/,$p' "$OUT/linear.txt" | tee -a "$LOG"
+fi
+if has small; then
+  KERAS_BACKEND=torch step small 120 python3 benchmarks/model.py --stack keras --interleave mixed_bfloat16,fp8_hybrid \
+    --rounds 5 --hidden 1024 --mlp 2816 --heads 8 --seq 512 --vocab 8000 --warmup 3 --steps 8
+  grep -E "^RATIO|^round" "$OUT/small.txt" | tee -a "$LOG"; tail -2 "$OUT/small.txt" | grep -v RATIO | cut -c1-300 | tee -a "$LOG"
+fi
+if has model; then
+  for p in mixed_bfloat16 fp8_hybrid; do
+    KERAS_BACKEND=torch step "model_$p" 60 python3 benchmarks/model.py --stack keras --policy $p --warmup 3 --steps 6
+    { grep RESULT "$OUT/model_$p.txt" || tail -3 "$OUT/model_$p.txt"; } | tail -1 | cut -c1-400 | tee -a "$LOG"
+  done
+fi
+say "[$(($(date +%s) - T0))s] done"
