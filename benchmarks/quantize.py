@@ -64,6 +64,7 @@ def main(argv=None):
         ("ours: quantize_delayed, q + q_t + amax + history + next scale", delayed_t, 2 * n + 2 * n, None),
         ("ours: the same, tile kernel v2 (register loads)", delayed_t, 2 * n + 2 * n, 2),
         ("ours: the same, tile kernel v3 (cp.async double buffer)", delayed_t, 2 * n + 2 * n, 3),
+        ("ours: the same, tile kernel v4 (v3, tiles down the column bands first)", delayed_t, 2 * n + 2 * n, 4),
         ("ours: quantize_delayed, q + amax + history (no transpose)",
          lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n, None),
         ("ours: amax + history only (no fp8 output)",

@@ -121,6 +121,13 @@ void record_amax(const at::Tensor& history, const at::Tensor& scale, const at::T
   torch_ops::record_amax_launch(history, scale, amax, fmt, algo, mdiv, skip_zero);
 }
 
+// Argument check on this side: an exception thrown from the nvcc-compiled
+// quantize.cu crashed the process on the H200 (session 4).
+int set_tile_version(int64_t version) {
+  TORCH_CHECK_VALUE(version >= 0 && version <= 4, "version: expected 0 (default), 1, 2, 3 or 4, got ", version);
+  return torch_ops::set_tile_version((int)version);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -131,8 +138,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_current", &quantize_current,
         "x, prev_scale, fmt, mdiv, transpose, pad, write_q -> (q, qt, scale_used, amax)");
   m.def("record_amax", &record_amax, "history, scale, amax, fmt, mdiv, algo, skip_zero");
-  m.def("set_tile_version", &torch_ops::set_tile_version,
-        "version (0 default, 1, 2, 3): the transposing quantize kernel of this process -> previous override");
+  m.def("set_tile_version", &set_tile_version,
+        "version (0 default, 1, 2, 3, 4): the transposing quantize kernel of this process -> previous override");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
   m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "

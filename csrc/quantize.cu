@@ -686,7 +686,10 @@ __device__ __forceinline__ void cp_async_wait() {
 // quant_tile2_kernel's tiles, outputs and shared-memory transpose, with the
 // input tile brought in by cp.async into a double buffer, so that the next
 // tile's 16 KB are in flight while this one is quantized and stored.
-template <typename T, bool kE5M2>
+// kDownFirst (version 4): consecutive tiles go down a 128-column band, so
+// that blocks running together write neighbouring 64-byte pieces of the
+// same q_t rows (instead of neighbouring pieces of the same x rows).
+template <typename T, bool kE5M2, bool kDownFirst>
 __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
     const T* __restrict__ x, long long R, long long C, uint8_t* __restrict__ q, long long ldq,
     uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
@@ -703,10 +706,13 @@ __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
   const int lv = threadIdx.x & 15;
   const int g = threadIdx.x >> 4;
   const long long ntx = (ext_c + kTileC - 1) / kTileC;
-  const long long ntiles = ntx * ((ext_r + TR - 1) / TR);
+  const long long nty = (ext_r + TR - 1) / TR;
+  const long long ntiles = ntx * nty;
+  auto row0 = [&](long long tile_id) { return (kDownFirst ? tile_id % nty : tile_id / ntx) * TR; };
+  auto col0 = [&](long long tile_id) { return (kDownFirst ? tile_id / nty : tile_id % ntx) * kTileC; };
   auto issue = [&](long long tile_id, int b) {
-    const long long r0 = (tile_id / ntx) * TR;
-    const long long c0 = (tile_id % ntx) * kTileC;
+    const long long r0 = row0(tile_id);
+    const long long c0 = col0(tile_id);
 #pragma unroll
     for (int it = 0; it < kChunks / kThreads; ++it) {
       const int k = threadIdx.x + it * kThreads;
@@ -728,8 +734,8 @@ __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
       cp_async_wait<0>();
     }
     __syncthreads();
-    const long long r0 = (tile_id / ntx) * TR;
-    const long long c0 = (tile_id % ntx) * kTileC;
+    const long long r0 = row0(tile_id);
+    const long long c0 = col0(tile_id);
     Raw8<T> raw[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) raw[j].u[0] = *reinterpret_cast<const uint4*>(&in_buf[b][(4 * g + j) * kRowBytes + lv * 16]);
@@ -812,9 +818,10 @@ int tile_rows() {
 }
 
 // Transposing tile kernel: 3 (default: quant_tile3_kernel where the input
-// is 16-bit with 8-column vector access, else quant_tile2_kernel), 2
-// (quant_tile2_kernel) or 1 (the first quant_tile_kernel); from
-// TORCH_OPS_QTILE=v1|v2|v3, TORCH_OPS_QTILE_R=128 implies 1. Benchmarks and
+// is 16-bit with 8-column vector access, else quant_tile2_kernel), 4 (the
+// same, tiles down the column bands first), 2 (quant_tile2_kernel) or 1
+// (the first quant_tile_kernel); from TORCH_OPS_QTILE=v1|v2|v3|v4,
+// TORCH_OPS_QTILE_R=128 implies 1. Benchmarks and
 // tests override it per process with set_tile_version (bindings).
 std::atomic<int> g_tile_override{0};
 
@@ -824,7 +831,7 @@ int tile_version() {
   static const int v = [] {
     const char* e = std::getenv("TORCH_OPS_QTILE");
     const std::string s = e ? e : "";
-    return s == "v1" ? 1 : (s == "v2" ? 2 : 3);
+    return s == "v1" ? 1 : (s == "v2" ? 2 : (s == "v4" ? 4 : 3));
   }();
   return tile_rows() == 128 ? 1 : v;
 }
@@ -962,10 +969,11 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       const int tr = tile_rows();
       const int version = tile_version();
       if constexpr (sizeof(T) == 2) {
-        if (version == 3 && vec) {
+        if (version >= 3 && vec) {
           const long long nt3 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
-          auto kernel = fmt == 1 ? quant_tile3_kernel<T, true> : quant_tile3_kernel<T, false>;
-          static const int per_sm = blocks_per_sm(kernel);  // same for both formats
+          auto kernel = version == 4 ? (fmt == 1 ? quant_tile3_kernel<T, true, true> : quant_tile3_kernel<T, false, true>)
+                                     : (fmt == 1 ? quant_tile3_kernel<T, true, false> : quant_tile3_kernel<T, false, false>);
+          static const int per_sm = blocks_per_sm(kernel);  // same for all four
           const unsigned nb3 = (unsigned)std::max<long long>(1, std::min<long long>(nt3, (long long)per_sm * num_sms()));
           kernel<<<nb3, kThreads, 0, stream>>>(xp, R, C, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
           return;
@@ -1000,11 +1008,9 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
 }
 
 // The transposing tile kernel (0: back to TORCH_OPS_QTILE; 1, 2, 3: that
-// version). Returns the previous override. For tests and benchmarks.
-int set_tile_version(int version) {
-  TORCH_CHECK(version >= 0 && version <= 3, "version: expected 0 (default), 1, 2 or 3, got ", version);
-  return g_tile_override.exchange(version);
-}
+// version; checked in bindings.cpp). Returns the previous override. For
+// tests and benchmarks.
+int set_tile_version(int version) { return g_tile_override.exchange(version); }
 
 // Delayed-scaling state update of two tensors (fp8_linear's small path):
 // for each, amax -> scale_used (seeded iff the history is empty) -> history
