@@ -18,6 +18,7 @@ if has build; then
   step build 200 python3 -m torch_ops build; tail -3 "$OUT/build.txt" | tee -a "$LOG"
 fi
 if has tests; then
+  step cxxerr 120 python3 scripts/cxx_errors.py; cat "$OUT/cxxerr.txt" | tee -a "$LOG"
   KERAS_BACKEND=torch step tests ${TESTS_LIMIT:-260} python3 -m pytest tests/torch_ops tests/test_torch_dispatch.py \
     tests/test_saving.py tests/test_loss_scaling.py -q -p no:cacheprovider --tb=short -W ignore -x ${PYTEST_ARGS:-}
   tail -1 "$OUT/tests.txt" | tee -a "$LOG"; grep -E "^FAILED|^ERROR|Error" "$OUT/tests.txt" | head -20 | tee -a "$LOG"

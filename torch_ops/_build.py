@@ -72,9 +72,12 @@ def load(verbose: bool = False):
         build_dir = build_directory()
         build_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("MAX_JOBS", str(min(16, os.cpu_count() or 4)))
+        # No -std flag: torch's own (C++20 for torch >= 2.10) must be used.
+        # Headers compiled under another standard can lay out torch's classes
+        # differently: with -std=c++17 every exception thrown from the
+        # extension (a TORCH_CHECK) crashed the process on the H200.
         cuda_flags = [
             "-O3",
-            "-std=c++17",
             "--expt-relaxed-constexpr",
             # sm_90a for Hopper, sm_89 for Ada; no --use_fast_math: the
             # quantize division must be IEEE to match the emulation bit for bit.
@@ -85,7 +88,7 @@ def load(verbose: bool = False):
             _module = cpp_extension.load(
                 name=_NAME,
                 sources=[str(_CSRC / s) for s in _SOURCES],
-                extra_cflags=["-O3", "-std=c++17"],
+                extra_cflags=["-O3"],
                 extra_cuda_cflags=cuda_flags,
                 extra_ldflags=["-lcublasLt"],
                 build_directory=str(build_dir),
