@@ -17,4 +17,5 @@ PRE = ("import torch, torch_ops; ext = torch_ops._build.load(); s = torch.ones((
        "    print(type(e).__name__, str(e).splitlines()[0][:120])\n")
 for name, stmt in CASES.items():
     r = subprocess.run([sys.executable, "-c", PRE.format(stmt)], capture_output=True, text=True, timeout=120)
-    print(f"{name}: rc={r.returncode} {r.stdout.strip()} {r.stderr.strip().splitlines()[-1][:160] if r.returncode else ''}")
+    err = r.stderr.strip().splitlines()
+    print(f"{name}: rc={r.returncode} {r.stdout.strip()} {err[-1][:160] if (r.returncode and err) else ''}", flush=True)

@@ -19,8 +19,9 @@ if has build; then
 fi
 if has tests; then
   step cxxerr 120 python3 scripts/cxx_errors.py; cat "$OUT/cxxerr.txt" | tee -a "$LOG"
+  if has probe; then step cxxprobe 200 python3 scripts/cxx_throw_probe.py; tail -40 "$OUT/cxxprobe.txt" | tee -a "$LOG"; fi
   KERAS_BACKEND=torch step tests ${TESTS_LIMIT:-260} python3 -m pytest tests/torch_ops tests/test_torch_dispatch.py \
-    tests/test_saving.py tests/test_loss_scaling.py -q -p no:cacheprovider --tb=short -W ignore -x ${PYTEST_ARGS:-}
+    tests/test_saving.py tests/test_loss_scaling.py -q -p no:cacheprovider --tb=short -W ignore ${PYTEST_K:+-k "$PYTEST_K"}
   tail -1 "$OUT/tests.txt" | tee -a "$LOG"; grep -E "^FAILED|^ERROR|Error" "$OUT/tests.txt" | head -20 | tee -a "$LOG"
 fi
 if has qbench; then
@@ -29,6 +30,10 @@ fi
 if has linear; then
   step linear ${LINEAR_LIMIT:-300} python3 benchmarks/linear.py ${LINEAR_ARGS:---iters 30 --rounds 5}
   sed -n '/### summary/,$p' "$OUT/linear.txt" | tee -a "$LOG"
+fi
+if has profile; then
+  step profile 90 python3 benchmarks/profile_linear.py --shape ${PROFILE_SHAPE:-16384x4096x4096}
+  grep -E "^### |^between" "$OUT/profile.txt" | tee -a "$LOG"
 fi
 if has small; then
   KERAS_BACKEND=torch step small 120 python3 benchmarks/model.py --stack keras --interleave mixed_bfloat16,fp8_hybrid \
