@@ -48,11 +48,9 @@ def main(argv=None):
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-        marks = []
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(a.steps):
                 step()
-                marks.append(torch.cuda.Event())
             torch.cuda.synchronize()
         ks = gpu_kernels(prof)
         per = len(ks) // a.steps
