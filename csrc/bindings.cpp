@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <torch/extension.h>
 
+#include "common.h"
+
 #include <stdexcept>
 #include <tuple>
 #include <utility>
@@ -41,7 +43,7 @@ at::ScalarType fp8_of(int fmt) { return fmt == 1 ? at::kFloat8_e5m2 : at::kFloat
 
 void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.is_cuda(), "x: expected a CUDA tensor, got device ", x.device());
-  TORCH_CHECK(x.dim() == 2, "x: expected a 2-D (rows, cols) tensor here, got ", x.dim(), "-D");
+  TORCH_CHECK(x.dim() == 2, "x: expected a 2-D (rows, cols) tensor here, got ", std::to_string(x.dim()), "-D");
   TORCH_CHECK(x.is_contiguous(), "x: expected a contiguous tensor");
   const auto t = x.scalar_type();
   TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kFloat,
@@ -53,9 +55,9 @@ void check_f32(const at::Tensor& t, const char* name, const at::Tensor& x, bool 
   TORCH_CHECK(t.device() == x.device(), name, ": expected device ", x.device(), ", got ", t.device());
   TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
   if (scalar) {
-    TORCH_CHECK(t.numel() == 1, name, ": expected one element, got shape ", t.sizes());
+    TORCH_CHECK(t.numel() == 1, name, ": expected one element, got shape ", torch_ops::shape_str(t));
   } else {
-    TORCH_CHECK(t.dim() == 1, name, ": expected shape (H,), got ", t.sizes());
+    TORCH_CHECK(t.dim() == 1, name, ": expected shape (H,), got ", torch_ops::shape_str(t));
   }
 }
 
@@ -123,55 +125,31 @@ void record_amax(const at::Tensor& history, const at::Tensor& scale, const at::T
   torch_ops::record_amax_launch(history, scale, amax, fmt, algo, mdiv, skip_zero);
 }
 
-// Argument check on this side: an exception thrown from the nvcc-compiled
-// quantize.cu crashed the process on the H200 (session 4).
 int set_tile_version(int64_t version) {
-  TORCH_CHECK_VALUE(version >= 0 && version <= 4, "version: expected 0 (default), 1, 2, 3 or 4, got ", version);
+  TORCH_CHECK_VALUE(version >= 0 && version <= 4, "version: expected 0 (default), 1, 2, 3 or 4, got ",
+                    std::to_string(version));
   return torch_ops::set_tile_version((int)version);
-}
-
-// Every entry point goes through `guarded`: c10 errors (TORCH_CHECK*) leave
-// as plain pybind11 / std exceptions carrying what_without_backtrace(). On
-// the H200 (torch 2.11), a c10::Error reaching pybind11 from an extension
-// killed the process (SIGSEGV, also in a minimal extension built with
-// torch's own flags: scripts/cxx_throw_probe.py), while std::runtime_error
-// and pybind11::value_error arrived as Python exceptions.
-template <typename R, typename... A>
-auto guarded(R (*f)(A...)) {
-  return [f](A... args) -> R {
-    try {
-      return f(std::forward<A>(args)...);
-    } catch (const c10::ValueError& e) {
-      throw pybind11::value_error(e.what_without_backtrace());
-    } catch (const c10::TypeError& e) {
-      throw pybind11::type_error(e.what_without_backtrace());
-    } catch (const c10::IndexError& e) {
-      throw pybind11::index_error(e.what_without_backtrace());
-    } catch (const c10::Error& e) {
-      throw std::runtime_error(e.what_without_backtrace());
-    }
-  };
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "keras-fp8 torch_ops CUDA kernels (fused FP8 quantize, cuBLASLt FP8 GEMM)";
-  m.def("quantize", guarded(&quantize), "x, scale, fmt, transpose, pad, write_q -> (q, qt, amax)");
-  m.def("quantize_delayed", guarded(&quantize_delayed),
+  m.def("quantize", &quantize, "x, scale, fmt, transpose, pad, write_q -> (q, qt, amax)");
+  m.def("quantize_delayed", &quantize_delayed,
         "x, history, scale, fmt, mdiv, algo, transpose, record, pad, write_q -> (q, qt, scale_used, amax)");
-  m.def("quantize_current", guarded(&quantize_current),
+  m.def("quantize_current", &quantize_current,
         "x, prev_scale, fmt, mdiv, transpose, pad, write_q -> (q, qt, scale_used, amax)");
-  m.def("record_amax", guarded(&record_amax), "history, scale, amax, fmt, mdiv, algo, skip_zero");
-  m.def("set_tile_version", guarded(&set_tile_version),
+  m.def("record_amax", &record_amax, "history, scale, amax, fmt, mdiv, algo, skip_zero");
+  m.def("set_tile_version", &set_tile_version,
         "version (0 default, 1, 2, 3, 4): the transposing quantize kernel of this process -> previous override");
-  m.def("gemm", guarded(&torch_ops::fp8_gemm), "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
-  m.def("linear", guarded(&torch_ops::linear),
+  m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
+  m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "
         "(None: a tensor is not plain, take the Python path)");
-  m.def("linear_folded", guarded(&torch_ops::linear_folded),
+  m.def("linear_folded", &torch_ops::linear_folded,
         "x, weight, bias, pending, fold_state, state[6], grad_fmt, mdiv, algo, window, in_out, training, "
         "min_gemm_size -> out (None: a tensor is not plain)");
-  m.def("fold_grad_amax", guarded(&torch_ops::fold_grad_amax),
+  m.def("fold_grad_amax", &torch_ops::fold_grad_amax,
         "pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale -> (token, scale, history)");
 }

@@ -1,11 +1,34 @@
 #pragma once
-// Error checks shared by the extension's translation units.
+// Error checks and message helpers shared by the extension's translation units.
+//
+// Integers go into error messages as std::to_string(...), shapes through
+// shape_str: on the H200 (torch 2.11, g++ 13) a TORCH_CHECK message that
+// streamed an int, a long or an IntArrayRef killed the process (SIGSEGV)
+// instead of raising, also in a minimal extension built with torch's own
+// flags (scripts/cxx_throw_probe.py), while strings, devices and dtypes were
+// fine.
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
+
+#include <string>
+
+namespace torch_ops {
+// "(4, 7)" / "(5,)" as Python prints a shape tuple.
+inline std::string shape_str(const at::Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(t.size(i));
+  }
+  if (t.dim() == 1) s += ",";
+  return s + ")";
+}
+}  // namespace torch_ops
 
 #define TORCH_OPS_CUDA_CHECK(expr)                                                     \
   do {                                                                                 \
     cudaError_t err__ = (expr);                                                        \
     TORCH_CHECK(err__ == cudaSuccess, "torch_ops: CUDA error in ", #expr, ": ",        \
-                cudaGetErrorString(err__), " (", __FILE__, ":", __LINE__, ")");       \
+                cudaGetErrorString(err__), " (", __FILE__, ":", std::to_string(__LINE__), ")");       \
   } while (0)

@@ -89,10 +89,10 @@ void check_state(const at::Tensor& t, const char* name, const at::Tensor& like, 
   TORCH_CHECK(t.device() == like.device(), name, ": expected device ", like.device(), ", got ", t.device());
   TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
   if (vector) {
-    TORCH_CHECK(t.dim() == 1, name, ": expected a 1-D tensor, got shape ", t.sizes());
+    TORCH_CHECK(t.dim() == 1, name, ": expected a 1-D tensor, got shape ", shape_str(t));
   }
   if (numel >= 0) {
-    TORCH_CHECK(t.numel() == numel, name, ": expected ", numel, " elements, got shape ", t.sizes());
+    TORCH_CHECK(t.numel() == numel, name, ": expected ", std::to_string(numel), " elements, got shape ", shape_str(t));
   }
 }
 
@@ -108,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& 
   check_state(history, "amax_history", pending, -1, true);
   check_state(scale, "scale", pending, 1, false);
   TORCH_CHECK(history.numel() >= 1 && history.numel() < (1LL << 31), "amax_history: expected 1 to 2**31-1 entries");
-  TORCH_CHECK(window >= 1, "window: expected >= 1, got ", window);
+  TORCH_CHECK(window >= 1, "window: expected >= 1, got ", std::to_string(window));
   const c10::cuda::CUDAGuard guard(pending.device());
   const int H = static_cast<int>(history.numel());
   const int w = static_cast<int>(std::min<long long>(window, H));

@@ -41,7 +41,7 @@
   do {                                                                                    \
     cublasStatus_t st__ = (expr);                                                         \
     TORCH_CHECK(st__ == CUBLAS_STATUS_SUCCESS, "torch_ops: cuBLASLt error in ", #expr,   \
-                ": status ", (int)st__, " (", __FILE__, ":", __LINE__, ")");              \
+                ": status ", std::to_string((int)st__), " (", __FILE__, ":", std::to_string(__LINE__), ")");              \
   } while (0)
 
 namespace torch_ops {
@@ -316,9 +316,9 @@ at::Tensor fallback_gemm(const at::Tensor& a, const at::Tensor& b, const at::Ten
 at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& scale_a,
                     const at::Tensor& scale_b, const c10::optional<at::Tensor>& bias_in, at::ScalarType od,
                     bool fast_accum) {
-  TORCH_CHECK(a_in.dim() == 2, "a: expected a 2-D fp8 tensor (M, K), got ", a_in.dim(), "-D");
-  TORCH_CHECK(b_in.dim() == 2, "b: expected a 2-D fp8 tensor (N, K), got ", b_in.dim(), "-D");
-  TORCH_CHECK(a_in.size(1) == b_in.size(1), "a, b: K mismatch: a is ", a_in.sizes(), ", b is ", b_in.sizes());
+  TORCH_CHECK(a_in.dim() == 2, "a: expected a 2-D fp8 tensor (M, K), got shape ", shape_str(a_in));
+  TORCH_CHECK(b_in.dim() == 2, "b: expected a 2-D fp8 tensor (N, K), got shape ", shape_str(b_in));
+  TORCH_CHECK(a_in.size(1) == b_in.size(1), "a, b: K mismatch: a is ", shape_str(a_in), ", b is ", shape_str(b_in));
   TORCH_CHECK(a_in.is_cuda() && b_in.is_cuda(), "a, b: expected CUDA tensors");
   TORCH_CHECK(scale_a.is_cuda() && scale_a.scalar_type() == at::kFloat && scale_a.numel() == 1,
               "scale_a: expected a 1-element float32 CUDA tensor");
@@ -332,8 +332,8 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
   const long long M = a_in.size(0), N = b_in.size(0), K = a_in.size(1);
   c10::optional<at::Tensor> bias;
   if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N, "bias: expected shape (", N, "), got ",
-                bias_in->sizes());
+    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N, "bias: expected shape (", std::to_string(N), ",), got ",
+                shape_str(*bias_in));
     bias = bias_in->to(od == at::kFloat ? at::kFloat : od).contiguous();
   }
   if (M == 0 || N == 0) return at::empty({M, N}, a_in.options().dtype(od));

@@ -195,18 +195,6 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
 
 const char* dname(const at::Tensor& t) { return t.is_cuda() ? "cuda" : "cpu"; }
 
-// "(4, 7)" / "(5,)" as Python prints a shape tuple (built by hand: streaming
-// an IntArrayRef into an error message crashed the H200 build, run 3).
-std::string shape_str(const at::Tensor& t) {
-  std::string s = "(";
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(t.size(i));
-  }
-  if (t.dim() == 1) s += ",";
-  return s + ")";
-}
-
 void check_float(const at::Tensor& t, const char* name) {
   const auto s = t.scalar_type();
   TORCH_CHECK_TYPE(s == at::kBFloat16 || s == at::kHalf || s == at::kFloat, name,
@@ -248,12 +236,12 @@ Args check_args(const at::Tensor& x, const at::Tensor& weight, const c10::option
   a.K = x.size(-1);
   const long long k_w = in_out ? weight.size(0) : weight.size(1);
   TORCH_CHECK_VALUE(k_w == a.K, "weight: shape ", shape_str(weight), " with weight_layout=",
-                    in_out ? "'in_out'" : "'out_in'", " does not match x's last dimension ", a.K);
+                    in_out ? "'in_out'" : "'out_in'", " does not match x's last dimension ", std::to_string(a.K));
   a.N = in_out ? weight.size(1) : weight.size(0);
   if (bias_in.has_value() && bias_in->defined()) {
     a.bias = *bias_in;
     TORCH_CHECK_VALUE(a.bias->dim() == 1 && a.bias->size(0) == a.N && a.bias->device() == x.device(),
-                      "bias: expected shape (", a.N, ",) on ", x.device(), ", got ", shape_str(*a.bias), " on ",
+                      "bias: expected shape (", std::to_string(a.N), ",) on ", x.device(), ", got ", shape_str(*a.bias), " on ",
                       a.bias->device());
   }
   static const char* kNames[6] = {"input_scale", "input_amax_history", "kernel_scale",
