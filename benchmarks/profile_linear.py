@@ -1,6 +1,6 @@
 """Where an eager torch_ops.fp8_linear step spends GPU time: kernel by kernel.
 
-    python benchmarks/profile_linear.py [--shape 16384x4096x4096] [--min-gemm-size N]
+    python benchmarks/profile_linear.py [--shape 16384x4096x4096] [--min-gemm-size N] [--cpu]
 
 Runs forward+backward (bf16 x, weight and output gradient, as in
 benchmarks/linear.py) under torch.profiler after warm-up, then prints for one
@@ -36,6 +36,8 @@ def main(argv=None):
     p.add_argument("--shape", default="16384x4096x4096")
     p.add_argument("--min-gemm-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--cpu", action="store_true",
+                   help="also the host side: CPU time per op and per step (20 steps, back to back)")
     a = p.parse_args(argv)
     M, K, N = (int(v) for v in a.shape.split("x"))
     torch.manual_seed(0)
@@ -70,6 +72,18 @@ def main(argv=None):
         starts = [ks[i * per][0] for i in range(a.steps)]
         ends = [ks[(i + 1) * per - 1][1] for i in range(a.steps)]
         print("\nbetween steps (us): " + ", ".join(f"{starts[i + 1] - ends[i]:.1f}" for i in range(a.steps - 1)))
+        if a.cpu:
+            n = 20
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(n):
+                    step()
+                torch.cuda.synchronize()
+            print(f"\nhost, {n} steps (self CPU us per step, top 20):\n")
+            rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]
+            print("| op | calls per step | self us per step | total us per step |")
+            print("|---|---|---|---|")
+            for e in rows:
+                print(f"| {e.key[:80]} | {e.count / n:.1f} | {e.self_cpu_time_total / n:.1f} | {e.cpu_time_total / n:.1f} |")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ if has linear; then
   sed -n '/### summary/,$p' "$OUT/linear.txt" | tee -a "$LOG"
 fi
 if has profile; then
-  step profile 90 python3 benchmarks/profile_linear.py --shape ${PROFILE_SHAPE:-16384x4096x4096}
+  step profile 90 python3 benchmarks/profile_linear.py --shape ${PROFILE_SHAPE:-16384x4096x4096} ${PROFILE_ARGS:-}
   grep -E "^### |^between" "$OUT/profile.txt" | tee -a "$LOG"
 fi
 if has small; then
