@@ -5,6 +5,7 @@
 #   qbench  benchmarks/quantize.py (tile kernels v2 and v3 side by side)
 #   linear  benchmarks/linear.py at all six shapes ($LINEAR_ARGS)
 #   small   the small Keras model, mixed_bfloat16 and fp8_hybrid interleaved in one process
+#   bigab   the Keras model, both policies interleaved in one process
 #   model   the Keras model, mixed_bfloat16 then fp8_hybrid
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=12 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
@@ -39,6 +40,11 @@ if has small; then
   KERAS_BACKEND=torch step small 120 python3 benchmarks/model.py --stack keras --interleave mixed_bfloat16,fp8_hybrid \
     --rounds 5 --hidden 1024 --mlp 2816 --heads 8 --seq 512 --vocab 8000 --warmup 3 --steps 8
   grep -E "^RATIO|^round" "$OUT/small.txt" | tee -a "$LOG"; tail -2 "$OUT/small.txt" | grep -v RATIO | cut -c1-300 | tee -a "$LOG"
+fi
+if has bigab; then
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KERAS_BACKEND=torch step bigab ${BIGAB_LIMIT:-150} python3 benchmarks/model.py \
+    --stack keras --interleave mixed_bfloat16,fp8_hybrid --rounds 3 --warmup 3 --steps 4
+  grep -E "^RATIO|^round|Error" "$OUT/bigab.txt" | tee -a "$LOG"
 fi
 if has model; then
   for p in mixed_bfloat16 fp8_hybrid; do
