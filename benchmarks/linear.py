@@ -4,13 +4,22 @@ torch_ops.fp8_linear (delayed scaling, hybrid E4M3/E5M2).
 
     python benchmarks/linear.py [--shapes 16384x4096x4096,...] [--no-torchao] [--iters 30]
 
-Shapes are M x K x N (tokens x in x out). Times are the median over --iters
-timed iterations (CUDA events around each iteration, after warm-up) on random
-data, taken side by side: --rounds rounds in each of which every variant runs
-its share of the iterations in turn, so drifts of the GPU's clocks and power
-fall on all variants alike (one variant after the other, two runs of the same
-code differed by up to 17%); x, weight and the output gradient are bf16, x requires grad (a layer in
-the middle of a network). Prints one table per shape, pasteable into
+Shapes are M x K x N (tokens x in x out); x, weight and the output gradient
+are bf16 random data, x requires grad (a layer in the middle of a network).
+Each variant is timed three ways, all side by side:
+
+- synchronized: CUDA events around each call, median over --iters calls
+  taken in --rounds interleaved rounds (every variant runs its share of the
+  calls in turn, so drifts of the GPU's clocks and power fall on all alike;
+  one variant after the other, two runs of the same code differed by up to
+  17%). Host time before the first kernel counts in full.
+- back-to-back: 5 calls per sample (20 at the small shapes) and one
+  synchronization, so the host queues ahead as in a training loop: a sample
+  is max(host, GPU) time per call.
+- CUDA graph: the step captured and replayed, GPU time only (for bf16, the
+  floor, our GEMMs and our default).
+
+Prints one table per shape and two summary tables, pasteable into
 docs/benchmarks.md.
 
 The cuBLASLt GEMM algorithm choice follows TORCH_OPS_GEMM_AUTOTUNE (csrc/gemm.cpp,
@@ -171,7 +180,8 @@ def run_shape(M, K, N, iters, use_torchao, rounds=5):
             "ours_py", _with_attr(_lin, "FAST_PATH", False, fwd_bwd(OursLinear(lin), x, gy)))
     per_round = max(1, iters // rounds)
     medians = interleaved_median_ms({name: fn for name, (_, fn) in variants.items()}, rounds, per_round)
-    rows = [(name, medians[name]) for name in variants] + notes
+    # (name, ms, the bf16 time of the same timing method: None for notes)
+    rows = [(name, medians[name], "bf16") for name in variants] + [(n, None, None) for n, _ in notes]
     t = {key: medians[name] for name, (key, _) in variants.items()}
     t.setdefault("torchao", None)
     # Back-to-back: `calls` calls per sample and one synchronization, so the
@@ -183,7 +193,7 @@ def run_shape(M, K, N, iters, use_torchao, rounds=5):
                                 max(1, per_round // calls), warmup=1, calls=calls)
     for name, (key, _) in variants.items():
         t[f"{key}_b2b"] = b2b[name]
-        rows.append((f"{name}, back-to-back ({calls} calls per sample)", b2b[name]))
+        rows.append((f"{name}, back-to-back ({calls} calls per sample)", b2b[name], "bf16_b2b"))
     # Same steps replayed from CUDA graphs: GPU time without host overhead.
     # (A GEMM first met inside a capture runs cuBLASLt's top-1 algorithm,
     # not the autotuned one: csrc/gemm.cpp.)
@@ -195,9 +205,9 @@ def run_shape(M, K, N, iters, use_torchao, rounds=5):
     for key, name, fn in graphs:
         try:
             t[key] = bench_graph(fn, iters)
-            rows.append((f"{name}, CUDA graph", t[key]))
+            rows.append((f"{name}, CUDA graph", t[key], "bf16_g"))
         except Exception as e:  # noqa: BLE001
-            rows.append((f"{name}, CUDA graph: {type(e).__name__}: {str(e)[:60]}", None))
+            rows.append((f"{name}, CUDA graph: {type(e).__name__}: {str(e)[:60]}", None, None))
     return rows, t
 
 
@@ -225,13 +235,13 @@ def main(argv=None):
         small = M * N * K < torch_ops.DEFAULT_MIN_GEMM_SIZE
         rows, t = run_shape(M, K, N, a.small_iters if small else a.iters, use_ao, a.rounds)
         print(f"\n### {M} x {K} x {N} (M x K x N), forward + backward\n")
-        print("| variant | ms | speed-up over bf16 |")
+        print("| variant | ms | speed-up over bf16 (same timing method) |")
         print("|---|---|---|")
-        for name, ms in rows:
+        for name, ms, ref in rows:
             if ms is None:
                 print(f"| {name} | - | - |")
             else:
-                print(f"| {name} | {ms:.3f} | {t['bf16'] / ms:.2f}x |")
+                print(f"| {name} | {ms:.3f} | " + (f"{t[ref] / ms:.2f}x |" if t.get(ref) else "- |"))
         summary.append(((M, K, N), t))
         sys.stdout.flush()
     print_summary(summary)
