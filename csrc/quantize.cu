@@ -234,8 +234,8 @@ __device__ __forceinline__ void block_reduce_max2(unsigned& a, unsigned& b, unsi
 // The last block's seed + record in one pass over the history: each thread
 // holds up to kHistPer entries in registers, one two-value reduction gives
 // "history not empty" (seed rule) and the window max after the shift, then
-// the shifted history is written back. Same results as the seed check +
-// record_in_block below (which remain for histories longer than
+// the shifted history is written back. Same results as block_done's seed
+// check + record_in_block (which remain for histories longer than
 // kHistPer * blockDim.x, or a seed history other than the recorded one).
 // Returns false where it does not apply (nothing done then).
 __device__ bool finalize_one_pass(float amax, const Finalize& f, unsigned* smem) {
