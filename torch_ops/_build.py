@@ -72,10 +72,10 @@ def load(verbose: bool = False):
         build_dir = build_directory()
         build_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("MAX_JOBS", str(min(16, os.cpu_count() or 4)))
-        # No -std flag: torch's own (C++20 for torch >= 2.10) must be used.
-        # Headers compiled under another standard can lay out torch's classes
-        # differently: with -std=c++17 every exception thrown from the
-        # extension (a TORCH_CHECK) crashed the process on the H200.
+        # No -std flag: torch's own (C++20 for torch >= 2.10), the standard
+        # its headers are written for. (Forcing -std=c++17 was not what
+        # crashed argument errors on the H200: integers streamed into
+        # TORCH_CHECK messages were, csrc/common.h.)
         cuda_flags = [
             "-O3",
             "--expt-relaxed-constexpr",
