@@ -103,24 +103,32 @@ def keras_model(args):
     return model
 
 
-def run_keras(args):
-    start = time.perf_counter()
+def timed_fit(model, x, y, batch_size, progress_from=None):
+    """`model.fit` for one epoch over (x, y), unshuffled. Returns the time
+    stamp at the end of each step and each step's loss (reading the loss
+    forces the step to finish). `progress_from`: print one line per step
+    with the seconds since that `time.perf_counter()` value (a run cut short
+    still shows how far it got)."""
     import keras
 
-    model = keras_model(args)
-    x, y = data(args)
     stamps, losses = [], []
 
     class Timer(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            losses.append(float(logs["loss"]))  # forces the step to finish
+            losses.append(float(logs["loss"]))
             stamps.append(time.perf_counter())
-            # Progress (a run cut short still shows how far it got).
-            print(f"step {batch} done at {stamps[-1] - start:.1f} s", flush=True)
+            if progress_from is not None:
+                print(f"step {batch} done at {stamps[-1] - progress_from:.1f} s", flush=True)
 
-    model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
-              callbacks=[Timer()])
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
     return stamps, losses
+
+
+def run_keras(args):
+    start = time.perf_counter()
+    model = keras_model(args)
+    x, y = data(args)
+    return timed_fit(model, x, y, args.batch, progress_from=start)
 
 
 def run_keras_interleaved(args):
@@ -142,16 +150,8 @@ def run_keras_interleaved(args):
     losses = {p: [] for p in policies}
 
     def fit(policy, batches):
-        stamps, step_losses = [], []
-
-        class Timer(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                step_losses.append(float(logs["loss"]))  # forces the step to finish
-                stamps.append(time.perf_counter())
-
         n = batches * args.batch
-        models[policy].fit(x[:n], y[:n], batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
-                           callbacks=[Timer()])
+        stamps, step_losses = timed_fit(models[policy], x[:n], y[:n], args.batch)
         return list(np.diff(stamps) * 1e3), step_losses
 
     for policy in policies:
