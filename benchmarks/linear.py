@@ -68,14 +68,16 @@ def fwd_bwd(model, x, gy):
 
 
 class OursLinear(torch.nn.Module):
-    def __init__(self, lin: torch.nn.Linear, min_gemm_size=None):
+    def __init__(self, lin: torch.nn.Linear, min_gemm_size=None, record=True):
         super().__init__()
         self.weight = lin.weight
         self.state = torch_ops.FP8LinearState.create(1024, device=lin.weight.device)
         self.min_gemm_size = min_gemm_size
+        self.record = record  # False: training=False, nothing recorded (a host-cost diagnostic)
 
     def forward(self, x):
-        return torch_ops.fp8_linear(x, self.weight, None, state=self.state, min_gemm_size=self.min_gemm_size)
+        return torch_ops.fp8_linear(x, self.weight, None, state=self.state, min_gemm_size=self.min_gemm_size,
+                                    training=self.record)
 
 
 def scaled_mm_floor(M, K, N):
@@ -175,7 +177,9 @@ def run_shape(M, K, N, iters, use_torchao, rounds=5):
         "ours_bf16", fwd_bwd(OursLinear(lin, min_gemm_size=1 << 62), x, gy))
     variants[f"torch_ops.fp8_linear, default ({'bf16 GEMMs' if small else 'FP8 GEMMs'})"] = (
         "ours", fwd_bwd(OursLinear(lin), x, gy))
-    if small:  # host-time comparison: the same call without the C++ fast path
+    if small:  # host-time comparisons: the call without its state update; without the C++ fast path
+        variants["torch_ops.fp8_linear, default, no state update (training=False)"] = (
+            "ours_norec", fwd_bwd(OursLinear(lin, record=False), x, gy))
         variants["torch_ops.fp8_linear, default, Python path (no C++ fast path)"] = (
             "ours_py", _with_attr(_lin, "FAST_PATH", False, fwd_bwd(OursLinear(lin), x, gy)))
     per_round = max(1, iters // rounds)

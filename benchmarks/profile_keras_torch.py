@@ -27,6 +27,8 @@ def main():
     parser.add_argument("--policy", default="fp8_hybrid")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--json", default=None,
+                        help="also write {kernel name: [calls, us per step]} to this file (to diff two policies)")
     args, rest = parser.parse_known_args()
     import keras
     import torch
@@ -76,6 +78,12 @@ def main():
     print(f"host-synchronizing calls: {sum(sync_stacks.values())}")
     for stack, count in sync_stacks.most_common(12):
         print(f"  sync x{count}: {stack}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({e.key: [e.count / args.steps, e.self_device_time_total / args.steps] for e in kernels}, f,
+                      indent=0)
     print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.top, max_name_column_width=110))
 
 

@@ -1,5 +1,6 @@
 """Shared timing helper of the benchmarks (CUDA events, median)."""
 
+import random
 import statistics
 
 import torch
@@ -55,7 +56,10 @@ def interleaved_median_ms(fns, rounds=5, iters=6, warmup=3, calls=1):
     Each of `rounds` rounds times every function `iters` times in turn, so
     slow drifts of the GPU (clocks, power, temperature) fall on all of them
     alike; the result is each function's median over its `rounds * iters`
-    samples.
+    samples. The order of the functions changes from round to round (a
+    seeded shuffle): host-bound calls ran up to 15% slower right after
+    some neighbours than after others, and a fixed order gave the same
+    function the same neighbour every round.
 
     Args:
         fns: Dict from name to a function of no arguments.
@@ -73,7 +77,11 @@ def interleaved_median_ms(fns, rounds=5, iters=6, warmup=3, calls=1):
             fn()
     torch.cuda.synchronize()
     samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name] += [_timed_ms(fn, calls) for _ in range(iters)]
+    order = list(fns)
+    shuffle = random.Random(0).shuffle
+    for r in range(rounds):
+        if r:
+            shuffle(order)
+        for name in order:
+            samples[name] += [_timed_ms(fns[name], calls) for _ in range(iters)]
     return {name: statistics.median(times) for name, times in samples.items()}

@@ -24,6 +24,18 @@ inline std::string shape_str(const at::Tensor& t) {
   if (t.dim() == 1) s += ",";
   return s + ")";
 }
+
+// One tensor of a delayed-scaling state update without quantizing
+// (amax_record_launch, quantize.cu): the tensor, its amax history and scale
+// (float32, updated in place) and its FP8 format (0 E4M3, 1 E5M2).
+constexpr int kMaxRecordJobs = 3;
+struct AmaxRecord {
+  const at::Tensor* x;
+  const at::Tensor* hist;
+  const at::Tensor* scale;
+  int fmt;
+};
+void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv);
 }  // namespace torch_ops
 
 #define TORCH_OPS_CUDA_CHECK(expr)                                                     \

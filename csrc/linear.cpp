@@ -27,9 +27,6 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
                      const at::Tensor& scale_used, const at::Tensor& amax_out, const at::Tensor& history,
                      const at::Tensor& scale_state, const at::Tensor& hist_for_empty, const at::Tensor& q,
                      long long ldq, const at::Tensor& qt, long long ldqt, int algo, double mdiv, bool skip_zero);
-void amax_record2_launch(const at::Tensor& x0, const at::Tensor& hist0, const at::Tensor& scale0,
-                         const at::Tensor& x1, const at::Tensor& hist1, const at::Tensor& scale1, int fmt, int algo,
-                         double mdiv);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state,
@@ -262,6 +259,34 @@ Args check_args(const at::Tensor& x, const at::Tensor& weight, const c10::option
   return a;
 }
 
+// The small path's GEMM in x's dtype, with PyTorch's own autograd (the same
+// GEMMs nn.Linear runs forward and backward): out_in (N, K) via at::linear,
+// in_out (K, N) as x @ W, so that dW comes out in the weight's own layout.
+at::Tensor small_linear(const at::Tensor& x2d, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        bool in_out) {
+  const auto xt = x2d.scalar_type();
+  const at::Tensor w = weight.scalar_type() == xt ? weight : weight.to(xt);
+  c10::optional<at::Tensor> b;
+  if (bias) b = bias->scalar_type() == xt ? *bias : bias->to(xt);
+  if (!in_out) return at::linear(x2d, w, b);
+  return b ? at::addmm(*b, x2d, w) : at::mm(x2d, w);
+}
+
+// The small path's state update while autograd records: one launch, when
+// the backward reaches `out`, records the amaxes of x, the weight and the
+// output gradient (each history and scale as quantize_delayed with
+// record=True would). Instead of a launch in the forward and another in the
+// backward: at the small sizes the host time of a launch is the cost.
+void record_in_backward(const at::Tensor& out, const at::Tensor& x2d, const at::Tensor& wd,
+                        const std::vector<at::Tensor>& state, int grad_fmt, int algo, double mdiv) {
+  out.register_hook([x = x2d, w = wd, xs = state[0], xh = state[1], ws = state[2], wh = state[3], gs = state[4],
+                     gh = state[5], grad_fmt, algo, mdiv](const at::TensorBase& grad) {
+    const at::Tensor g = grad.defined() ? at::Tensor(grad).contiguous() : at::Tensor();
+    const AmaxRecord recs[3] = {{&x, &xh, &xs, kE4M3}, {&w, &wh, &ws, kE4M3}, {&g, &gh, &gs, grad_fmt}};
+    amax_record_launch(recs, g.defined() ? 3 : 2, algo, mdiv);
+  });
+}
+
 // The call after check_args. `sink`: none, a 0-d sink (linear) or the (3,)
 // pending vector (linear_folded, with its fold token, undefined when not
 // training).
@@ -281,6 +306,13 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   const long long M = x2d.size(0);
   const bool small = (double)M * (double)N * (double)K < (double)min_gemm_size;
   const bool record = training && scaling == kDelayed;
+  // Small and recording a graph without a gradient channel: PyTorch's own
+  // autograd node (no custom Function) and one state launch in the backward.
+  // A bias of another dtype than x keeps LinearFn (its gradient is summed in
+  // float32, not rounded to x's dtype).
+  const bool native_small = small && needs_graph && !sink.has_value() &&
+                            (!bias.has_value() || bias->scalar_type() == x2d.scalar_type());
+  at::Tensor wd_small;
 
   Extra e;
   e.flags = (small ? kSmall : 0) | (in_out ? kInOut : 0) | (need_dx ? kNeedDx : 0) | (need_dw ? kNeedDw : 0) |
@@ -297,9 +329,15 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     at::NoGradGuard ng;
     const at::Tensor wd = weight.is_contiguous() ? weight : weight.contiguous();
     if (small) {
-      // Only the state updates matter here (no fp8 operand is used): one
-      // launch for x and the weight. Without recording nothing is updated.
-      if (record) amax_record2_launch(x2d, state[1], state[0], wd, state[3], state[2], kE4M3, (int)algo, mdiv);
+      // Only the state updates matter here (no fp8 operand is used). With
+      // PyTorch's autograd (native_small) they all happen in the backward;
+      // otherwise one launch here for x and the weight, and the gradient's
+      // in LinearFn's backward. Without recording nothing is updated.
+      if (record && !native_small) {
+        const AmaxRecord recs[2] = {{&x2d, &state[1], &state[0], kE4M3}, {&wd, &state[3], &state[2], kE4M3}};
+        amax_record_launch(recs, 2, (int)algo, mdiv);
+      }
+      if (record && native_small) wd_small = wd;
     } else {
       Q qx = quant(x2d, state[1], state[0], kE4M3, (int)scaling, mdiv, (int)algo, need_dw, record, true);
       // The forward wants (N, K), the dX GEMM (K, N); out_in stores (N, K).
@@ -314,16 +352,18 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     }
   }
   at::Tensor out;
-  if (needs_graph) {
+  if (native_small) {
+    out = small_linear(x2d, weight, bias, in_out);
+    if (record) record_in_backward(out, x2d, wd_small, state, (int)grad_fmt, (int)algo, mdiv);
+  } else if (needs_graph) {
     out = LinearFn::apply(x2d, weight, bias, sink, e);
   } else {
     at::NoGradGuard ng;
-    c10::optional<at::Tensor> b;
-    if (bias) b = bias->to(x2d.scalar_type());
     if (small) {
-      at::Tensor w_nk = (in_out ? weight.t() : weight).to(x2d.scalar_type());
-      out = at::linear(x2d, w_nk, b);
+      out = small_linear(x2d, weight, bias, in_out);
     } else {
+      c10::optional<at::Tensor> b;
+      if (bias) b = bias->to(x2d.scalar_type());
       out = fp8_gemm(e.qx, e.qw_fwd, e.sx, e.sw, b, x2d.scalar_type(), true);
     }
   }

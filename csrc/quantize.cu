@@ -787,10 +787,16 @@ __device__ __forceinline__ void amax_record_job(const AmaxJob& j, unsigned* smem
   block_done(bm, j.f, smem, gridDim.x);
 }
 
-__global__ void __launch_bounds__(kThreads) amax_record2_kernel(AmaxJob j0, AmaxJob j1) {
+// Up to kMaxRecordJobs amax + state updates in one launch, one job per blockIdx.y.
+struct AmaxJobs {
+  AmaxJob j[kMaxRecordJobs];
+};
+
+__global__ void __launch_bounds__(kThreads) amax_record_kernel(AmaxJobs jobs) {
   __shared__ unsigned smem[kRedWords];
-  if (blockIdx.y == 0) amax_record_job(j0, smem);
-  else amax_record_job(j1, smem);
+  if (blockIdx.y == 0) amax_record_job(jobs.j[0], smem);
+  else if (blockIdx.y == 1) amax_record_job(jobs.j[1], smem);
+  else amax_record_job(jobs.j[2], smem);
 }
 
 __global__ void record_amax_kernel(const float* amax, Finalize f) {
@@ -1012,54 +1018,56 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
 // tests and benchmarks.
 int set_tile_version(int version) { return g_tile_override.exchange(version); }
 
-// Delayed-scaling state update of two tensors (fp8_linear's small path):
-// for each, amax -> scale_used (seeded iff the history is empty) -> history
-// shift -> next scale, exactly as quantize_delayed(record=True,
-// write_q=False, transpose=False), in one launch. x0/x1: contiguous CUDA
-// tensors (any shape) of bf16/fp16/fp32 on one device.
-void amax_record2_launch(const at::Tensor& x0, const at::Tensor& hist0, const at::Tensor& scale0,
-                         const at::Tensor& x1, const at::Tensor& hist1, const at::Tensor& scale1, int fmt, int algo,
-                         double mdiv_d) {
+// Delayed-scaling state update of `n` (1..kMaxRecordJobs) tensors
+// (fp8_linear's small path): for each, amax -> scale_used (seeded iff the
+// history is empty) -> history shift -> next scale, exactly as
+// quantize_delayed(record=True, write_q=False, transpose=False), in one
+// launch. The tensors: contiguous CUDA tensors (any shape) of
+// bf16/fp16/fp32 on one device; each record names its format.
+void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv_d) {
+  TORCH_CHECK(n >= 1 && n <= kMaxRecordJobs, "amax_record_launch: expected 1 to ",
+              std::to_string(kMaxRecordJobs), " tensors, got ", std::to_string(n));
+  const at::Tensor& x0 = *recs[0].x;
   const at::cuda::CUDAGuard guard(x0.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   unsigned* wsp = workspace(x0, stream);
-  float* scratch = reinterpret_cast<float*>(wsp + 8);
-  AmaxJob jobs[2];
-  const at::Tensor* xs[2] = {&x0, &x1};
-  const at::Tensor* hs[2] = {&hist0, &hist1};
-  const at::Tensor* ss[2] = {&scale0, &scale1};
+  // Per job: two counter words at wsp + 2 + 2i, its scale_used at wsp + 8 + i.
+  float* scratch = reinterpret_cast<float*>(wsp + 2 + 2 * kMaxRecordJobs);
+  AmaxJobs jobs;
   long long nmax = 1;
-  for (int i = 0; i < 2; ++i) {
-    const at::Tensor& x = *xs[i];
-    AmaxJob& j = jobs[i];
+  for (int i = 0; i < n; ++i) {
+    const at::Tensor& x = *recs[i].x;
+    AmaxJob& j = jobs.j[i];
     const auto t = x.scalar_type();
+    TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kFloat,
+                "x: expected bfloat16, float16 or float32, got ", t);
     j.x = x.data_ptr();
     j.n = x.numel();
     j.dtype = t == at::kBFloat16 ? 0 : (t == at::kHalf ? 1 : 2);
-    TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kFloat,
-                "x: expected bfloat16, float16 or float32, got ", t);
     j.vec = (reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0 ? 1 : 0;
     nmax = std::max(nmax, j.n);
+    float* hist = recs[i].hist->data_ptr<float>();
+    float* scale = recs[i].scale->data_ptr<float>();
     Finalize& f = j.f;
     f.ws = wsp + 2 + 2 * i;
     f.amax_out = nullptr;
-    f.history = hs[i]->data_ptr<float>();
-    f.H = hs[i]->numel();
-    f.scale_state = ss[i]->data_ptr<float>();
+    f.history = hist;
+    f.H = recs[i].hist->numel();
+    f.scale_state = scale;
     f.scale_used = scratch + i;
     f.algo = algo;
-    f.fmax = fmax_of(fmt);
+    f.fmax = fmax_of(recs[i].fmt);
     f.mdiv = (float)mdiv_d;
     f.skip_zero = 0;
     f.seed_mode = 1;
-    f.prev_scale = ss[i]->data_ptr<float>();
-    f.seed_history = hs[i]->data_ptr<float>();
-    f.seed_H = hs[i]->numel();
+    f.prev_scale = scale;
+    f.seed_history = hist;
+    f.seed_H = f.H;
     f.scale_used_out = scratch + i;
   }
   long long blocks = (nmax / 8 + kThreads - 1) / kThreads;
   blocks = std::max<long long>(1, std::min<long long>(blocks, 4LL * num_sms()));
-  amax_record2_kernel<<<dim3((unsigned)blocks, 2), kThreads, 0, stream>>>(jobs[0], jobs[1]);
+  amax_record_kernel<<<dim3((unsigned)blocks, (unsigned)n), kThreads, 0, stream>>>(jobs);
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());
 }
 

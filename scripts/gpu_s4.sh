@@ -5,8 +5,10 @@
 #   qbench  benchmarks/quantize.py (tile kernels v2 and v3 side by side)
 #   linear  benchmarks/linear.py at all six shapes ($LINEAR_ARGS)
 #   small   the small Keras model, mixed_bfloat16 and fp8_hybrid interleaved in one process
-#   bigab   the Keras model, both policies interleaved in one process
+#   bigab   the Keras model, both policies interleaved in one process ($BIGAB_ARGS)
+#   bigflat the same with --loss flat (the cross-entropy on 2-D logits: a diagnostic)
 #   model   the Keras model, mixed_bfloat16 then fp8_hybrid
+#   mprof   profile_keras_torch.py for both policies (kernel tables, kern_*.json)
 set -o pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=12 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
@@ -41,10 +43,20 @@ if has small; then
     --rounds 5 --hidden 1024 --mlp 2816 --heads 8 --seq 512 --vocab 8000 --warmup 3 --steps 8
   grep -E "^RATIO|^round" "$OUT/small.txt" | tee -a "$LOG"; tail -2 "$OUT/small.txt" | grep -v RATIO | cut -c1-300 | tee -a "$LOG"
 fi
-if has bigab; then
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KERAS_BACKEND=torch step bigab ${BIGAB_LIMIT:-150} python3 benchmarks/model.py \
-    --stack keras --interleave mixed_bfloat16,fp8_hybrid --rounds 3 --warmup 3 --steps 4
-  grep -E "^RATIO|^round|Error" "$OUT/bigab.txt" | tee -a "$LOG"
+for ab in bigab bigflat; do
+  if has $ab; then
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KERAS_BACKEND=torch step $ab ${BIGAB_LIMIT:-150} python3 \
+      benchmarks/model.py --stack keras --interleave mixed_bfloat16,fp8_hybrid ${BIGAB_ARGS:---rounds 3 --warmup 3 --steps 4} \
+      --loss $([[ $ab == bigflat ]] && echo flat || echo keras)
+    grep -E "^RATIO|^round|Error" "$OUT/$ab.txt" | tee -a "$LOG"
+  fi
+done
+if has mprof; then
+  for p in ${MPROF_POLICIES:-mixed_bfloat16 fp8_hybrid}; do
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KERAS_BACKEND=torch step "mprof_$p" 150 python3 \
+      benchmarks/profile_keras_torch.py --policy $p --steps 2 --top 40 --json "$OUT/kern_$p.json"
+    grep -E "^# |^host-sync" "$OUT/mprof_$p.txt" | tee -a "$LOG"
+  done
 fi
 if has model; then
   for p in mixed_bfloat16 fp8_hybrid; do

@@ -394,8 +394,11 @@ def fp8_linear(
         given, the backward records nothing in the grad state and returns the
         gradient's amax (0 where non-finite) as this tensor's gradient.
       min_gemm_size: M*N*K below which the GEMMs run in the compute dtype (the
-        FP8 state is still updated); default DEFAULT_MIN_GEMM_SIZE
-        (env TORCH_OPS_FP8_MIN_GEMM_SIZE).
+        FP8 state is still updated with the same values); default
+        DEFAULT_MIN_GEMM_SIZE (env TORCH_OPS_FP8_MIN_GEMM_SIZE). On the C++
+        fast path, while autograd records (and without a sink), x's and the
+        weight's amaxes are recorded together with the gradient's when the
+        backward runs: one launch per step.
     """
     if FAST_PATH:
         out = _fast(x, weight, bias, state, fp8_format, scaling, margin, amax_compute_algo, weight_layout,

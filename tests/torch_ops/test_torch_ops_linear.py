@@ -126,31 +126,37 @@ class LinearKernelTest(parameterized.TestCase):
         for u, v in zip(*sts):
             self.assertTrue(torch.equal(u, v))
 
-    def test_cuda_graph_replay_equals_eager(self):
+    # (min_gemm_size, bias): the FP8 path; the small path on PyTorch's
+    # autograd with its state launch in the backward (no bias); the small
+    # path on LinearFn (a float32 bias with bf16 x).
+    @parameterized.parameters((0, True), (1 << 40, False), (1 << 40, True))
+    def test_cuda_graph_replay_equals_eager(self, mgs, bias):
         M, K, N = 512, 256, 384
-        x, w, b, gy = make(M, K, N)
+        x, w, b, gy = make(M, K, N, bias=bias)
         steps = 3
         # eager reference
         st_e = torch_ops.FP8LinearState.create(8, device=DEV)
-        for _ in range(steps):
-            ref = run(torch_ops.fp8_linear, x, w, b, gy, st_e, min_gemm_size=0)
+        for step in range(steps):
+            ref = run(torch_ops.fp8_linear, x, w, b, gy, st_e, min_gemm_size=mgs)
         # graph
         st = torch_ops.FP8LinearState.create(8, device=DEV)
         st_warm = torch_ops.FP8LinearState.create(8, device=DEV)
         sx = x.clone().requires_grad_()
         sw = w.clone().requires_grad_()
-        sb = b.clone().requires_grad_()
+        sb = b.clone().requires_grad_() if bias else None
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                y = torch_ops.fp8_linear(sx, sw, sb, state=st_warm, min_gemm_size=0)
+                y = torch_ops.fp8_linear(sx, sw, sb, state=st_warm, min_gemm_size=mgs)
                 y.backward(gy)
         torch.cuda.current_stream().wait_stream(s)
-        sx.grad = sw.grad = sb.grad = None
+        sx.grad = sw.grad = None
+        if bias:
+            sb.grad = None
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            y = torch_ops.fp8_linear(sx, sw, sb, state=st, min_gemm_size=0)
+            y = torch_ops.fp8_linear(sx, sw, sb, state=st, min_gemm_size=mgs)
             y.backward(gy)
         for u in st.tensors():  # capture ran nothing
             self.assertTrue(float(u.abs().max()) in (0.0, 1.0))
@@ -159,7 +165,11 @@ class LinearKernelTest(parameterized.TestCase):
         torch.cuda.synchronize()
         for u, v in zip(st.tensors(), st_e.tensors()):
             self.assertTrue(torch.equal(u, v))
-        for name, g_, r_ in zip(("out", "dx", "dw", "db"), (y, sx.grad, sw.grad, sb.grad), ref):
+        got = (y, sx.grad, sw.grad, sb.grad if bias else None)
+        for name, g_, r_ in zip(("out", "dx", "dw", "db"), got, ref):
+            if r_ is None:
+                self.assertIsNone(g_, name)
+                continue
             self.assertTrue(torch.equal(g_.detach(), r_), name)
 
     def test_compile_fullgraph_equals_eager(self):
@@ -260,6 +270,28 @@ class LinearFastPathTest(parameterized.TestCase):
             self.assertEqual(outs[0][2].item(), gy.float().abs().max().item())
             for u, v in zip(*outs):
                 self.assertTrue(torch.equal(u, v))
+
+    @parameterized.parameters("out_in", "in_out")
+    def test_small_path_records_in_backward(self, layout):
+        """Below min_gemm_size, while autograd records a graph, the amaxes of x,
+        the weight and the gradient are recorded together when the backward
+        runs (one launch); under no_grad the forward records x and the weight."""
+        x, w, _, gy = make(64, 32, 16, layout, bias=False, seed=7)
+        st = torch_ops.FP8LinearState.create(4, device=DEV)
+        xx = x.clone().requires_grad_()
+        y = torch_ops.fp8_linear(xx, w, state=st, weight_layout=layout, min_gemm_size=1 << 40)
+        for h in (st.input_amax_history, st.kernel_amax_history, st.grad_amax_history):
+            self.assertEqual(float(h.abs().max()), 0.0)
+        y.backward(gy)
+        self.assertEqual(st.input_amax_history[0].item(), x.float().abs().max().item())
+        self.assertEqual(st.kernel_amax_history[0].item(), w.float().abs().max().item())
+        self.assertEqual(st.grad_amax_history[0].item(), gy.float().abs().max().item())
+        self.assertEqual(float(st.input_amax_history[1:].abs().max()), 0.0)
+        with torch.no_grad():
+            torch_ops.fp8_linear(2 * x, w, state=st, weight_layout=layout, min_gemm_size=1 << 40)
+        self.assertEqual(st.input_amax_history[0].item(), 2 * x.float().abs().max().item())
+        self.assertEqual(st.input_amax_history[1].item(), x.float().abs().max().item())
+        self.assertEqual(st.grad_amax_history[1].item(), 0.0)
 
     def test_wrong_inputs_fast_path(self):
         st = torch_ops.FP8LinearState.create(4, device=DEV)
