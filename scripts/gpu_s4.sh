@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Fourth session's device calls (capped at $BUDGET s), by PHASES:
+# The fourth and fifth sessions' device calls (capped at $BUDGET s), by PHASES:
 #   build   python -m torch_ops build
 #   tests   tests/torch_ops + torch dispatch/saving/training tests (torch backend)
 #   qbench  benchmarks/quantize.py (tile kernels v2 and v3 side by side)
 #   linear  benchmarks/linear.py at all six shapes ($LINEAR_ARGS)
+#   profile benchmarks/profile_linear.py at $PROFILE_SHAPE ($PROFILE_ARGS)
+#   host    benchmarks/host_overhead.py at the small shapes
 #   small   the small Keras model, mixed_bfloat16 and fp8_hybrid interleaved in one process
 #   bigab   the issue's Keras model, both policies interleaved in one process ($BIGAB_ARGS)
 #   bigflat the same with --loss flat (the cross-entropy on 2-D logits: a diagnostic)
@@ -33,6 +35,10 @@ fi
 if has linear; then
   step linear ${LINEAR_LIMIT:-300} python3 benchmarks/linear.py ${LINEAR_ARGS:---iters 30 --rounds 5}
   sed -n '/### summary/,$p' "$OUT/linear.txt" | tee -a "$LOG"
+fi
+if has host; then
+  step host 120 python3 benchmarks/host_overhead.py --shape ${HOST_SHAPES:-4096x1024x1024,1024x2048x1024} --iters 3000
+  grep -E "^\||^###" "$OUT/host.txt" | tee -a "$LOG"
 fi
 if has profile; then
   step profile 90 python3 benchmarks/profile_linear.py --shape ${PROFILE_SHAPE:-16384x4096x4096} ${PROFILE_ARGS:-}
