@@ -50,15 +50,9 @@ void check_x(const at::Tensor& x) {
               "x: expected bfloat16, float16 or float32, got ", t);
 }
 
+// A scale (one element) or an amax history (1-D) next to x.
 void check_f32(const at::Tensor& t, const char* name, const at::Tensor& x, bool scalar) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": expected float32, got ", t.scalar_type());
-  TORCH_CHECK(t.device() == x.device(), name, ": expected device ", x.device(), ", got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
-  if (scalar) {
-    TORCH_CHECK(t.numel() == 1, name, ": expected one element, got shape ", torch_ops::shape_str(t));
-  } else {
-    TORCH_CHECK(t.dim() == 1, name, ": expected shape (H,), got ", torch_ops::shape_str(t));
-  }
+  torch_ops::check_f32_state(t, name, x, scalar ? 1 : -1, !scalar);
 }
 
 // Allocates q (R, ldq) and qt (C, ldqt) (empty when not requested).

@@ -25,6 +25,20 @@ inline std::string shape_str(const at::Tensor& t) {
   return s + ")";
 }
 
+// A float32 state tensor (a scale, an amax history, a gradient channel):
+// contiguous, on `like`'s device; `vector`: 1-D; `numel` >= 0: exactly that
+// many elements.
+inline void check_f32_state(const at::Tensor& t, const char* name, const at::Tensor& like, long long numel,
+                            bool vector) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": expected float32, got ", t.scalar_type());
+  TORCH_CHECK(t.device() == like.device(), name, ": expected device ", like.device(), ", got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+  if (vector) TORCH_CHECK(t.dim() == 1, name, ": expected a 1-D tensor, got shape ", shape_str(t));
+  if (numel >= 0)
+    TORCH_CHECK(t.numel() == numel, name, ": expected ", numel == 1 ? std::string("one element") :
+                std::to_string(numel) + " elements", ", got shape ", shape_str(t));
+}
+
 // One tensor of a delayed-scaling state update without quantizing
 // (amax_record_launch, quantize.cu): the tensor, its amax history and scale
 // (float32, updated in place) and its FP8 format (0 E4M3, 1 E5M2).

@@ -84,18 +84,6 @@ __global__ void emit_pending_grad_kernel(float* __restrict__ out, const float* _
   }
 }
 
-void check_state(const at::Tensor& t, const char* name, const at::Tensor& like, long long numel, bool vector) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": expected float32, got ", t.scalar_type());
-  TORCH_CHECK(t.device() == like.device(), name, ": expected device ", like.device(), ", got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
-  if (vector) {
-    TORCH_CHECK(t.dim() == 1, name, ": expected a 1-D tensor, got shape ", shape_str(t));
-  }
-  if (numel >= 0) {
-    TORCH_CHECK(t.numel() == numel, name, ": expected ", std::to_string(numel), " elements, got shape ", shape_str(t));
-  }
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state,
@@ -103,10 +91,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& 
                                                               double inv_max, double mdiv, int algo,
                                                               long long window, bool update_scale) {
   TORCH_CHECK(pending.is_cuda(), "pending: expected a CUDA tensor, got device ", pending.device());
-  check_state(pending, "pending", pending, 3, true);
-  check_state(fold_state, "fold_state", pending, 3, true);
-  check_state(history, "amax_history", pending, -1, true);
-  check_state(scale, "scale", pending, 1, false);
+  check_f32_state(pending, "pending", pending, 3, true);
+  check_f32_state(fold_state, "fold_state", pending, 3, true);
+  check_f32_state(history, "amax_history", pending, -1, true);
+  check_f32_state(scale, "scale", pending, 1, false);
   TORCH_CHECK(history.numel() >= 1 && history.numel() < (1LL << 31), "amax_history: expected 1 to 2**31-1 entries");
   TORCH_CHECK(window >= 1, "window: expected >= 1, got ", std::to_string(window));
   const c10::cuda::CUDAGuard guard(pending.device());

@@ -160,6 +160,16 @@ struct Descs {
   }
 };
 
+// This call's scale pointers (and the fused bias, where not null) on a
+// descriptor shared by every call of its shape. cuBLASLt's A is our b and its
+// B our a (the column-major view of our row-major operands).
+void set_call_pointers(Descs& ds, const float* sa, const float* sb, const void* bias) {
+  TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
+  TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
+  if (bias)
+    TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+}
+
 void make_descs(Descs& ds, cudaDataType_t ta, cudaDataType_t tb, cudaDataType_t td, long long M, long long N,
                 long long K, long long lda, long long ldb, long long ldd, bool fast, const float* sa,
                 const float* sb, const void* bias, cudaDataType_t tbias) {
@@ -169,16 +179,13 @@ void make_descs(Descs& ds, cudaDataType_t ta, cudaDataType_t tb, cudaDataType_t 
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
   int8_t fa = fast ? 1 : 0;
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)));
-  // cuBLAS's A is our b, cuBLAS's B is our a.
-  TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
-  TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
   if (bias) {
     cublasLtEpilogue_t ep = CUBLASLT_EPILOGUE_BIAS;
     TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof(ep)));
-    TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
     TORCH_OPS_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &tbias, sizeof(tbias)));
   }
+  set_call_pointers(ds, sa, sb, bias);
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.a, ta, K, N, ldb));
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.b, tb, K, M, lda));
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ds.d, td, N, M, ldd));
@@ -415,34 +422,19 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
     // The cached descriptor is shared by every call of this shape: set this
     // call's scale and bias pointers and enqueue under the lock.
     std::lock_guard<std::mutex> lk(g_mu);
+    bool pointers_set = false;
     if (tune_now) {
       Plan& p = g_plans[key];  // references into an unordered_map stay valid
       if (!p.tuned) {
-        // This call's pointers on the descriptor first: candidates run on the real operands.
-        Descs& ds = *p.ds;
-        TORCH_OPS_CUBLAS_CHECK(
-            cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
-        TORCH_OPS_CUBLAS_CHECK(
-            cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
-        if (p.bias_fused) {
-          const void* bp = bias->data_ptr();
-          TORCH_OPS_CUBLAS_CHECK(
-              cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
-        }
+        // This call's pointers first: the candidates run on the real operands.
+        set_call_pointers(*p.ds, sa, sb, p.bias_fused ? bias->data_ptr() : nullptr);
+        pointers_set = true;
         tune_plan(p, handle, b.data_ptr(), a.data_ptr(), out.data_ptr(), ws, stream, M, N, Kp);
       }
-      plan = p;
+      plan = p;  // the same descriptor (shared_ptr)
     }
     Descs& ds = *plan.ds;
-    TORCH_OPS_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
-    TORCH_OPS_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
-    if (plan.bias_fused) {
-      const void* bp = bias->data_ptr();
-      TORCH_OPS_CUBLAS_CHECK(
-          cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
-    }
+    if (!pointers_set) set_call_pointers(ds, sa, sb, plan.bias_fused ? bias->data_ptr() : nullptr);
     TORCH_OPS_CUBLAS_CHECK(cublasLtMatmul(handle, ds.op, &alpha, b.data_ptr(), ds.a, a.data_ptr(), ds.b, &beta,
                                           out.data_ptr(), ds.d, out.data_ptr(), ds.d, &plan.algo, ws,
                                           kWorkspaceBytes, stream));

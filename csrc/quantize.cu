@@ -111,6 +111,20 @@ struct Raw8 {
 #pragma unroll
     for (int j = 0; j < kWords; ++j) u[j] = make_uint4(0u, 0u, 0u, 0u);
   }
+  // Row r, columns c..c+7 of a row-major (R, C) tensor: one vector load where
+  // the group lies inside and rows are 16-byte aligned (vec), else element
+  // by element with zeros outside.
+  __device__ __forceinline__ void load_guarded(const T* x, long long r, long long c, long long R, long long C,
+                                               bool vec) {
+    if (vec && r < R && c + 8 <= C) {
+      load(x + r * C + c);
+      return;
+    }
+    zero();
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (r < R && c + i < C) t[i] = x[r * C + c + i];
+  }
 };
 
 struct Finalize {
@@ -156,6 +170,13 @@ __device__ __forceinline__ unsigned block_reduce_max(unsigned v, unsigned* smem)
   return r;
 }
 
+// As torch.amax over a history: NaN wins (its bits are above inf's); a
+// negative entry (never written by us) counts as 0.
+__device__ __forceinline__ unsigned window_bits(float h) {
+  const unsigned b = __float_as_uint(h);
+  return isnan(h) ? 0x7fc00000u : ((b & 0x80000000u) ? 0u : b);
+}
+
 // History update by all threads of one block: shift toward higher index,
 // write slot 0, then next scale from the window. Only called when recording.
 __device__ void record_in_block(float amax, const Finalize& f, unsigned* smem) {
@@ -184,24 +205,11 @@ __device__ void record_in_block(float amax, const Finalize& f, unsigned* smem) {
     window = H > 0 ? f.history[0] : 0.f;
   } else {
     unsigned m = 0u;
-    for (long long i = threadIdx.x; i < H; i += blockDim.x) {
-      // As torch.amax: NaN wins (its bits are above inf's). A negative entry
-      // (never written by us) counts as 0: either way the window is not > 0.
-      const float h = f.history[i];
-      const unsigned b = __float_as_uint(h);
-      m = max(m, isnan(h) ? 0x7fc00000u : ((b & 0x80000000u) ? 0u : b));
-    }
+    for (long long i = threadIdx.x; i < H; i += blockDim.x) m = max(m, window_bits(f.history[i]));
     m = block_reduce_max(m, smem);
     window = __uint_as_float(m);
   }
   if (threadIdx.x == 0) *f.scale_state = compute_scale(window, *f.scale_used, f.fmax, f.mdiv);
-}
-
-// As torch.amax over a history: NaN wins (its bits are above inf's); a
-// negative entry (never written by us) counts as 0.
-__device__ __forceinline__ unsigned window_bits(float h) {
-  const unsigned b = __float_as_uint(h);
-  return isnan(h) ? 0x7fc00000u : ((b & 0x80000000u) ? 0u : b);
 }
 
 // Max of two values over the block (warp maxima in smem[0..31] and
@@ -454,14 +462,7 @@ __global__ void __launch_bounds__(kThreads, TR == 64 ? 4 : 3) quant_tile_kernel(
     const int slot = threadIdx.x + it * kThreads;
     const long long r = r0 + slot / (kTileC / 8);
     const long long c = c0 + (slot % (kTileC / 8)) * 8;
-    if (vec && r < R && c + 8 <= C) {
-      raw[it].load(x + r * C + c);
-    } else {
-      raw[it].zero();
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (r < R && c + i < C) raw[it].t[i] = x[r * C + c + i];
-    }
+    raw[it].load_guarded(x, r, c, R, C, vec);
   }
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
@@ -653,17 +654,7 @@ __global__ void __launch_bounds__(kThreads, 4) quant_tile2_kernel(
     const long long c = c0 + lv * 8;
     Raw8<T> raw[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const long long r = r0 + 4 * g + j;
-      if (vec && r < R && c + 8 <= C) {
-        raw[j].load(x + r * C + c);
-      } else {
-        raw[j].zero();
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          if (r < R && c + i < C) raw[j].t[i] = x[r * C + c + i];
-      }
-    }
+    for (int j = 0; j < 4; ++j) raw[j].load_guarded(x, r0 + 4 * g + j, c, R, C, vec);
     quant_store_tile2<T, kE5M2>(raw, r0, c0, R, C, q, ldq, qt, ldqt, s, lv, g, local, tile_t);
   }  // tiles
   unsigned bm = block_reduce_max(local, smem);

@@ -3,11 +3,8 @@
 # background while the JAX GPU tests run), benchmarks/linear.py at the large
 # and small shapes (torchao at the large ones), the Keras-torch model bf16 vs
 # fp8_hybrid.
-set -o pipefail
-export PYTHONUNBUFFERED=1 MAX_JOBS=12 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
-T0=$(date +%s); BUDGET=${BUDGET:-380}
 source "$(dirname "$0")/lib.sh"
+device_init 380
 say "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader) $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)') $(git log -1 --format=%h 2>/dev/null)"
 (python3 -m torch_ops build > "$OUT/build.txt" 2>&1; echo "build rc=$?" >> "$OUT/build.txt") &
 KERAS_BACKEND=jax XLA_FLAGS=--xla_allow_excess_precision=false step jaxtests 100 python3 -m pytest \

@@ -2,11 +2,8 @@
 # Follow-up device call (capped at $BUDGET s): the GPU test failures of the
 # previous call, the small-shape layer profile, and the Keras-JAX model with
 # both FP8 GEMM output settings beside bf16 and the torchao peer.
-set -o pipefail
-export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
-T0=$(date +%s); BUDGET=${BUDGET:-300}
 source "$(dirname "$0")/lib.sh"
+device_init 300
 result() { { grep RESULT "$OUT/$1.txt" || tail -3 "$OUT/$1.txt"; } | tail -1 | cut -c1-500 | tee -a "$LOG"; }
 step build 150 python3 -m torch_ops build; tail -1 "$OUT/build.txt" | tee -a "$LOG"; rm -f "$OUT/build.txt"
 KERAS_BACKEND=torch step tests 90 python3 -m pytest tests/test_torch_dispatch.py tests/test_saving.py -q -p no:cacheprovider --tb=short -W ignore

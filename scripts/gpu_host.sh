@@ -5,13 +5,9 @@
 # before/after rows), the GPU tests of the touched code, then the host-time
 # and small-shape benchmarks, each new then old.
 #   BUDGET=330 OLD=.hp_old bash scripts/gpu_host.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
-T0=$(date +%s); BUDGET=${BUDGET:-330}
-PHASES=${PHASES:-"build tests layer linear profile model"}  # also: kprofile
-has() { [[ " $PHASES " == *" $1 "* ]]; }
 source "$(dirname "$0")/lib.sh"
+device_init 330
+PHASES=${PHASES:-"build tests layer linear profile model"}  # also: kprofile
 OLD=${OLD:-}
 [ -n "$OLD" ] && [ ! -d "$OLD/torch_ops" ] && OLD=
 old() {  # old NAME LIMIT CMD...: CMD on the old tree (its own build cache)

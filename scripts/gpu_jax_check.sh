@@ -4,11 +4,8 @@
 # (keras_fp8 adds the Triton-GEMM flag itself at import), and the JAX GPU
 # tests (torch_ops is built in the background for the
 # cross-backend saving test's torch subprocess).
-set -o pipefail
-export PYTHONUNBUFFERED=1 MAX_JOBS=12 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
-T0=$(date +%s); BUDGET=${BUDGET:-300}
 source "$(dirname "$0")/lib.sh"
+device_init 300
 result() { { grep RESULT "$OUT/$1.txt" || tail -3 "$OUT/$1.txt"; } | tail -1 | cut -c1-600 | tee -a "$LOG"; }
 say "XLA_FLAGS in the environment: '${XLA_FLAGS-}'"
 (python3 -m torch_ops build > "$OUT/build.txt" 2>&1; echo "build rc=$?" >> "$OUT/build.txt") &

@@ -4,13 +4,9 @@
 # layer benchmark with the host cost, the model benchmark (Keras torch bf16 and
 # fp8, a small model of both, the plain-PyTorch bf16 and torchao peers), and a
 # profile of the fp8 step. Each phase gets min(its limit, time left).
-set -o pipefail
-export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
-T0=$(date +%s); BUDGET=${BUDGET:-330}
-PHASES=${PHASES:-"build tests model layer small jaxtests jax peers profile"}
-has() { [[ " $PHASES " == *" $1 "* ]]; }
 source "$(dirname "$0")/lib.sh"
+device_init 330
+PHASES=${PHASES:-"build tests model layer small jaxtests jax peers profile"}
 say "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader) $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
 if has build; then step build 150 python3 -m torch_ops build; tail -2 "$OUT/build.txt" | tee -a "$LOG"; fi
 if has tests; then

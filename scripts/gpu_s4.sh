@@ -11,13 +11,9 @@
 #   bigflat the same with --loss flat (the cross-entropy on 2-D logits: a diagnostic)
 #   model   the issue's Keras model, mixed_bfloat16 then fp8_hybrid
 #   mprof   profile_keras_torch.py for both policies (kernel tables, kern_*.json)
-set -o pipefail
-export PYTHONUNBUFFERED=1 MAX_JOBS=12 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
-T0=$(date +%s); BUDGET=${BUDGET:-550}
-PHASES=${PHASES:-"build tests qbench"}
-has() { [[ " $PHASES " == *" $1 "* ]]; }
 source "$(dirname "$0")/lib.sh"
+device_init 550
+PHASES=${PHASES:-"build tests qbench"}
 say "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader) $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)') $(git log -1 --format=%h 2>/dev/null) phases: $PHASES"
 if has build; then
   step build 200 python3 -m torch_ops build; tail -3 "$OUT/build.txt" | tee -a "$LOG"

@@ -1,6 +1,15 @@
-# Shared by the device scripts: `say` logs a line to $LOG and stdout; `step
-# NAME LIMIT CMD...` runs CMD with min(LIMIT, time left of $BUDGET) seconds,
-# appending its output to $OUT/NAME.txt. Needs OUT, LOG, T0 and BUDGET set.
+# Shared by the device scripts. `device_init SECONDS` sets the environment
+# (OUT, LOG, T0, BUDGET defaulting to SECONDS, unbuffered Python, the
+# extension build cache); `say` logs a line to $LOG and stdout; `step NAME
+# LIMIT CMD...` runs CMD with min(LIMIT, time left of $BUDGET) seconds,
+# appending its output to $OUT/NAME.txt; `has PHASE` is true when $PHASES
+# names PHASE.
+device_init() {
+  set -o pipefail
+  export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-12} TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
+  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
+  T0=$(date +%s); BUDGET=${BUDGET:-$1}
+}
 say() { echo "$*" | tee -a "$LOG"; }
 step() {
   local name=$1 lim=$2; shift 2
@@ -11,3 +20,4 @@ step() {
   say "[$(($(date +%s) - T0))s] $name rc=$rc"
   return $rc
 }
+has() { [[ " $PHASES " == *" $1 "* ]]; }
