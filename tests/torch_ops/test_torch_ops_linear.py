@@ -136,7 +136,7 @@ class LinearKernelTest(parameterized.TestCase):
         steps = 3
         # eager reference
         st_e = torch_ops.FP8LinearState.create(8, device=DEV)
-        for step in range(steps):
+        for _ in range(steps):
             ref = run(torch_ops.fp8_linear, x, w, b, gy, st_e, min_gemm_size=mgs)
         # graph
         st = torch_ops.FP8LinearState.create(8, device=DEV)
