@@ -78,13 +78,10 @@ def _quantize_impl(
     q, qt = _emu_outputs(x, scale, fp8_dtype, transpose, pad, write_q)
     return q, qt, emu.amax(x)
 
+# The registered ops (what torch.compile traces) are the _*_impl functions
+# themselves, registered with torch.library.custom_op.
+quantize_op = torch.library.custom_op("torch_ops::quantize", mutates_args=())(_quantize_impl)
 
-
-@torch.library.custom_op("torch_ops::quantize", mutates_args=())
-def quantize_op(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool, pad: bool, write_q: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _quantize_impl(x, scale, fp8_dtype, transpose, pad, write_q)
 
 @quantize_op.register_fake
 def _(x, scale, fp8_dtype, transpose, pad, write_q):
@@ -128,22 +125,10 @@ def _quantize_delayed_impl(
         )
     return q, qt, scale_used, a
 
+quantize_delayed_op = torch.library.custom_op("torch_ops::quantize_delayed", mutates_args=("amax_history", "scale"))(
+    _quantize_delayed_impl
+)
 
-
-@torch.library.custom_op("torch_ops::quantize_delayed", mutates_args=("amax_history", "scale"))
-def quantize_delayed_op(
-    x: torch.Tensor,
-    amax_history: torch.Tensor,
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    margin: float,
-    amax_compute_algo: str,
-    transpose: bool,
-    record: bool,
-    pad: bool,
-    write_q: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _quantize_delayed_impl(x, amax_history, scale, fp8_dtype, margin, amax_compute_algo, transpose, record, pad, write_q)
 
 @quantize_delayed_op.register_fake
 def _(x, amax_history, scale, fp8_dtype, margin, amax_compute_algo, transpose, record, pad, write_q):
@@ -171,19 +156,8 @@ def _quantize_current_impl(
     q, qt = _emu_outputs(x, scale_used, fp8_dtype, transpose, pad, write_q)
     return q, qt, scale_used, a
 
+quantize_current_op = torch.library.custom_op("torch_ops::quantize_current", mutates_args=())(_quantize_current_impl)
 
-
-@torch.library.custom_op("torch_ops::quantize_current", mutates_args=())
-def quantize_current_op(
-    x: torch.Tensor,
-    prev_scale: Optional[torch.Tensor],
-    fp8_dtype: torch.dtype,
-    margin: float,
-    transpose: bool,
-    pad: bool,
-    write_q: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _quantize_current_impl(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q)
 
 @quantize_current_op.register_fake
 def _(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q):
@@ -211,19 +185,10 @@ def _record_amax_impl(
         amax_history, scale, amax, fp8_dtype, margin=margin, amax_compute_algo=amax_compute_algo, skip_zero=skip_zero
     )
 
+record_amax_op = torch.library.custom_op("torch_ops::record_amax", mutates_args=("amax_history", "scale"))(
+    _record_amax_impl
+)
 
-
-@torch.library.custom_op("torch_ops::record_amax", mutates_args=("amax_history", "scale"))
-def record_amax_op(
-    amax_history: torch.Tensor,
-    scale: torch.Tensor,
-    amax: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    margin: float,
-    amax_compute_algo: str,
-    skip_zero: bool,
-) -> None:
-    return _record_amax_impl(amax_history, scale, amax, fp8_dtype, margin, amax_compute_algo, skip_zero)
 
 @record_amax_op.register_fake
 def _(amax_history, scale, amax, fp8_dtype, margin, amax_compute_algo, skip_zero):
@@ -271,19 +236,8 @@ def _scaled_mm_gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
         out = (out.float() + bias.float()).to(out_dtype)
     return out
 
+gemm_op = torch.library.custom_op("torch_ops::gemm", mutates_args=())(_gemm_impl)
 
-
-@torch.library.custom_op("torch_ops::gemm", mutates_args=())
-def gemm_op(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    out_dtype: torch.dtype,
-    use_fast_accum: bool,
-) -> torch.Tensor:
-    return _gemm_impl(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
 
 @gemm_op.register_fake
 def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
