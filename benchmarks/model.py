@@ -64,7 +64,13 @@ def keras_model(args):
         def call(self, x):
             b, s = ops.shape(x)[0], ops.shape(x)[1]
             qkv = ops.reshape(self.qkv(x), (b, s, 3, self.heads, self.hidden // self.heads))
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            if args.qkv == "unstack":
+                # As the plain-torch stack's unbind(2): one stack in the backward.
+                q, k, v = ops.unstack(qkv, axis=2)
+            else:
+                # Three index-selects: each backward zero-fills a full-size
+                # gradient and copies into it (the earlier benchmark's code).
+                q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             a = ops.dot_product_attention(
                 q, k, v, is_causal=True, flash_attention=flash
             )
@@ -253,6 +259,10 @@ def add_model_arguments(parser):
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--qkv", default="unstack", choices=["unstack", "index"],
+                        help="how attention takes q, k and v from the fused projection: ops.unstack (as the "
+                             "plain-torch stack's unbind) or three index-selects qkv[:, :, i] (the benchmark's code "
+                             "before the sixth session; their backward is three zero-fills and strided copies)")
     parser.add_argument("--loss", default="keras", choices=["keras", "flat"],
                         help="keras: SparseCategoricalCrossentropy on the (batch, seq, vocab) logits (the "
                              "benchmark's model). flat: the same loss on (batch*seq, vocab) rows, a diagnostic: "

@@ -422,19 +422,15 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
     // The cached descriptor is shared by every call of this shape: set this
     // call's scale and bias pointers and enqueue under the lock.
     std::lock_guard<std::mutex> lk(g_mu);
-    bool pointers_set = false;
+    // plan.ds is the map's descriptor (a shared_ptr copy). This call's
+    // pointers first: a tuning call times the candidates on the real operands.
+    set_call_pointers(*plan.ds, sa, sb, plan.bias_fused ? bias->data_ptr() : nullptr);
     if (tune_now) {
       Plan& p = g_plans[key];  // references into an unordered_map stay valid
-      if (!p.tuned) {
-        // This call's pointers first: the candidates run on the real operands.
-        set_call_pointers(*p.ds, sa, sb, p.bias_fused ? bias->data_ptr() : nullptr);
-        pointers_set = true;
-        tune_plan(p, handle, b.data_ptr(), a.data_ptr(), out.data_ptr(), ws, stream, M, N, Kp);
-      }
-      plan = p;  // the same descriptor (shared_ptr)
+      if (!p.tuned) tune_plan(p, handle, b.data_ptr(), a.data_ptr(), out.data_ptr(), ws, stream, M, N, Kp);
+      plan = p;  // the same descriptor, now with the chosen algorithm
     }
     Descs& ds = *plan.ds;
-    if (!pointers_set) set_call_pointers(ds, sa, sb, plan.bias_fused ? bias->data_ptr() : nullptr);
     TORCH_OPS_CUBLAS_CHECK(cublasLtMatmul(handle, ds.op, &alpha, b.data_ptr(), ds.a, a.data_ptr(), ds.b, &beta,
                                           out.data_ptr(), ds.d, out.data_ptr(), ds.d, &plan.algo, ws,
                                           kWorkspaceBytes, stream));

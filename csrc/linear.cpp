@@ -45,6 +45,12 @@ constexpr int kDelayed = 1;  // scaling: 1 delayed, 2 current (quantize_launch's
 
 long long r16(long long v) { return (v + 15) / 16 * 16; }
 
+// The bias in `dtype` (the GEMMs' output dtype), if there is one.
+c10::optional<at::Tensor> bias_as(const c10::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  if (!bias) return c10::nullopt;
+  return bias->scalar_type() == dtype ? *bias : bias->to(dtype);
+}
+
 struct Q {
   at::Tensor q, qt, scale_used, amax;
 };
@@ -114,8 +120,7 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
     sd["gs"] = e.grad_scale;
     if (e.token.defined()) sd["tok"] = e.token;
     const auto xt = x2d.scalar_type();
-    c10::optional<at::Tensor> b;
-    if (has_bias) b = bias->scalar_type() == xt ? *bias : bias->to(xt);
+    const c10::optional<at::Tensor> b = bias_as(bias, xt);
     at::Tensor out;
     if (e.flags & kSmall) {
       // The weight in x's dtype, (N, K); kept for the backward's dX.
@@ -266,8 +271,7 @@ at::Tensor small_linear(const at::Tensor& x2d, const at::Tensor& weight, const c
                         bool in_out) {
   const auto xt = x2d.scalar_type();
   const at::Tensor w = weight.scalar_type() == xt ? weight : weight.to(xt);
-  c10::optional<at::Tensor> b;
-  if (bias) b = bias->scalar_type() == xt ? *bias : bias->to(xt);
+  const c10::optional<at::Tensor> b = bias_as(bias, xt);
   if (!in_out) return at::linear(x2d, w, b);
   return b ? at::addmm(*b, x2d, w) : at::mm(x2d, w);
 }
@@ -312,7 +316,6 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   // float32, not rounded to x's dtype).
   const bool native_small = small && needs_graph && !sink.has_value() &&
                             (!bias.has_value() || bias->scalar_type() == x2d.scalar_type());
-  at::Tensor wd_small;
 
   Extra e;
   e.flags = (small ? kSmall : 0) | (in_out ? kInOut : 0) | (need_dx ? kNeedDx : 0) | (need_dw ? kNeedDw : 0) |
@@ -325,9 +328,12 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   e.grad_hist = state[5];
   e.grad_scale = state[4];
   e.token = token;
+  // The weight as the kernels read it (contiguous; a copy made without
+  // recording autograd history).
+  at::Tensor wd;
   {
     at::NoGradGuard ng;
-    const at::Tensor wd = weight.is_contiguous() ? weight : weight.contiguous();
+    wd = weight.is_contiguous() ? weight : weight.contiguous();
     if (small) {
       // Only the state updates matter here (no fp8 operand is used). With
       // PyTorch's autograd (native_small) they all happen in the backward;
@@ -337,7 +343,6 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
         const AmaxRecord recs[2] = {{&x2d, &state[1], &state[0], kE4M3}, {&wd, &state[3], &state[2], kE4M3}};
         amax_record_launch(recs, 2, (int)algo, mdiv);
       }
-      if (record && native_small) wd_small = wd;
     } else {
       Q qx = quant(x2d, state[1], state[0], kE4M3, (int)scaling, mdiv, (int)algo, need_dw, record, true);
       // The forward wants (N, K), the dX GEMM (K, N); out_in stores (N, K).
@@ -354,7 +359,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   at::Tensor out;
   if (native_small) {
     out = small_linear(x2d, weight, bias, in_out);
-    if (record) record_in_backward(out, x2d, wd_small, state, (int)grad_fmt, (int)algo, mdiv);
+    if (record) record_in_backward(out, x2d, wd, state, (int)grad_fmt, (int)algo, mdiv);
   } else if (needs_graph) {
     out = LinearFn::apply(x2d, weight, bias, sink, e);
   } else {
@@ -362,9 +367,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     if (small) {
       out = small_linear(x2d, weight, bias, in_out);
     } else {
-      c10::optional<at::Tensor> b;
-      if (bias) b = bias->to(x2d.scalar_type());
-      out = fp8_gemm(e.qx, e.qw_fwd, e.sx, e.sw, b, x2d.scalar_type(), true);
+      out = fp8_gemm(e.qx, e.qw_fwd, e.sx, e.sw, bias_as(bias, x2d.scalar_type()), x2d.scalar_type(), true);
     }
   }
   if (x.dim() == 2) return out;

@@ -5,10 +5,12 @@
 #   qbench  benchmarks/quantize.py (tile kernels v2 and v3 side by side)
 #   linear  benchmarks/linear.py at all six shapes ($LINEAR_ARGS)
 #   profile benchmarks/profile_linear.py at $PROFILE_SHAPE ($PROFILE_ARGS)
+#   timeline profile_linear.py --timeline at the two small shapes (host + GPU time line of one step)
 #   host    benchmarks/host_overhead.py at the small shapes
 #   small   the small Keras model, mixed_bfloat16 and fp8_hybrid interleaved in one process
 #   bigab   the issue's Keras model, both policies interleaved in one process ($BIGAB_ARGS)
 #   bigflat the same with --loss flat (the cross-entropy on 2-D logits: a diagnostic)
+#   bigidx  the same with --qkv index (q/k/v by three index-selects, the benchmark's code before session 6)
 #   model   the issue's Keras model, mixed_bfloat16 then fp8_hybrid
 #   mprof   profile_keras_torch.py for both policies (kernel tables, kern_*.json)
 source "$(dirname "$0")/lib.sh"
@@ -40,16 +42,21 @@ if has profile; then
   step profile 90 python3 benchmarks/profile_linear.py --shape ${PROFILE_SHAPE:-16384x4096x4096} ${PROFILE_ARGS:-}
   grep -E "^### |^between" "$OUT/profile.txt" | tee -a "$LOG"
 fi
+if has timeline; then
+  for shape in 4096x1024x1024 1024x2048x1024; do
+    step "timeline_$shape" 90 python3 benchmarks/profile_linear.py --shape $shape --timeline
+  done
+fi
 if has small; then
   KERAS_BACKEND=torch step small 120 python3 benchmarks/model.py --stack keras --interleave mixed_bfloat16,fp8_hybrid \
     --rounds 5 --hidden 1024 --mlp 2816 --heads 8 --seq 512 --vocab 8000 --warmup 3 --steps 8
   grep -E "^RATIO|^round" "$OUT/small.txt" | tee -a "$LOG"; tail -2 "$OUT/small.txt" | grep -v RATIO | cut -c1-300 | tee -a "$LOG"
 fi
-for ab in bigab bigflat; do
+for ab in bigab bigflat bigidx; do
   if has $ab; then
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KERAS_BACKEND=torch step $ab ${BIGAB_LIMIT:-150} python3 \
       benchmarks/model.py --stack keras --interleave mixed_bfloat16,fp8_hybrid ${BIGAB_ARGS:---rounds 3 --warmup 3 --steps 4} \
-      --loss $([[ $ab == bigflat ]] && echo flat || echo keras)
+      --loss $([[ $ab == bigflat ]] && echo flat || echo keras) --qkv $([[ $ab == bigidx ]] && echo index || echo unstack)
     grep -E "^RATIO|^round|Error" "$OUT/$ab.txt" | tee -a "$LOG"
   fi
 done
