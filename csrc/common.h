@@ -8,6 +8,7 @@
 // flags (scripts/cxx_throw_probe.py), while strings, devices and dtypes were
 // fine.
 #include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
@@ -58,3 +59,17 @@ void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv);
     TORCH_CHECK(err__ == cudaSuccess, "torch_ops: CUDA error in ", #expr, ": ",        \
                 cudaGetErrorString(err__), " (", __FILE__, ":", std::to_string(__LINE__), ")");       \
   } while (0)
+
+namespace torch_ops {
+// Makes `t`'s device current for the scope, switching (and switching back)
+// only when it is not current already: a CUDAGuard's set and restore are
+// runtime calls on every launch, host time that the small path pays per step.
+struct DeviceScope {
+  c10::cuda::OptionalCUDAGuard guard;
+  explicit DeviceScope(const at::Tensor& t) {
+    int current = -1;
+    TORCH_OPS_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != t.get_device()) guard.set_index(t.get_device());
+  }
+};
+}  // namespace torch_ops

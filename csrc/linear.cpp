@@ -277,18 +277,37 @@ at::Tensor small_linear(const at::Tensor& x2d, const at::Tensor& weight, const c
 }
 
 // The small path's state update while autograd records: one launch, when
-// the backward reaches `out`, records the amaxes of x, the weight and the
-// output gradient (each history and scale as quantize_delayed with
+// the backward reaches the GEMM's node, records the amaxes of x, the weight
+// and the output gradient (each history and scale as quantize_delayed with
 // record=True would). Instead of a launch in the forward and another in the
-// backward: at the small sizes the host time of a launch is the cost.
-void record_in_backward(const at::Tensor& out, const at::Tensor& x2d, const at::Tensor& wd,
-                        const std::vector<at::Tensor>& state, int grad_fmt, int algo, double mdiv) {
-  out.register_hook([x = x2d, w = wd, xs = state[0], xh = state[1], ws = state[2], wh = state[3], gs = state[4],
-                     gh = state[5], grad_fmt, algo, mdiv](const at::TensorBase& grad) {
-    const at::Tensor g = grad.defined() ? at::Tensor(grad).contiguous() : at::Tensor();
+// backward: at the small sizes the host time of a launch is the cost. A
+// pre-hook of the node (not a tensor hook: register_hook builds a hook list
+// and two wrappers per call).
+struct RecordAtBackward : torch::autograd::FunctionPreHook {
+  RecordAtBackward(const at::Tensor& x, const at::Tensor& w, const std::vector<at::Tensor>& state, int grad_fmt,
+                   int algo, double mdiv, uint32_t output_nr)
+      : x(x), w(w), xs(state[0]), xh(state[1]), ws(state[2]), wh(state[3]), gs(state[4]), gh(state[5]),
+        grad_fmt(grad_fmt), algo(algo), mdiv(mdiv), output_nr(output_nr) {}
+
+  variable_list operator()(const variable_list& grads) override {
+    const at::Tensor& grad = grads[output_nr];
+    const at::Tensor g = grad.defined() ? grad.contiguous() : at::Tensor();
     const AmaxRecord recs[3] = {{&x, &xh, &xs, kE4M3}, {&w, &wh, &ws, kE4M3}, {&g, &gh, &gs, grad_fmt}};
     amax_record_launch(recs, g.defined() ? 3 : 2, algo, mdiv);
-  });
+    return grads;
+  }
+
+  at::Tensor x, w, xs, xh, ws, wh, gs, gh;
+  int grad_fmt, algo;
+  double mdiv;
+  uint32_t output_nr;
+};
+
+void record_in_backward(const at::Tensor& out, const at::Tensor& x2d, const at::Tensor& wd,
+                        const std::vector<at::Tensor>& state, int grad_fmt, int algo, double mdiv) {
+  const auto& node = out.grad_fn();  // at::linear's / mm's node: out requires grad here
+  TORCH_CHECK(node, "fp8_linear: the small path's output has no autograd node");
+  node->add_pre_hook(std::make_unique<RecordAtBackward>(x2d, wd, state, grad_fmt, algo, mdiv, out.output_nr()));
 }
 
 // The call after check_args. `sink`: none, a 0-d sink (linear) or the (3,)

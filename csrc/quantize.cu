@@ -15,7 +15,9 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -858,8 +860,9 @@ struct Ws {
 };
 std::mutex g_ws_mu;
 std::map<std::pair<int, cudaStream_t>, Ws> g_ws;
+std::atomic<unsigned long long> g_ws_generation{0};  // +1 whenever an entry gets a new tensor
 
-unsigned* workspace(const at::Tensor& like, cudaStream_t stream) {
+unsigned* workspace_lookup(const at::Tensor& like, cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long id = 0;
   TORCH_OPS_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id));
@@ -872,8 +875,32 @@ unsigned* workspace(const at::Tensor& like, cudaStream_t stream) {
     // memory from the graph's pool).
     w.t = at::zeros({kWsWords}, like.options().dtype(at::kInt));
     w.capture_id = id;
+    g_ws_generation.fetch_add(1, std::memory_order_acq_rel);
   }
   return reinterpret_cast<unsigned*>(w.t.data_ptr<int>());
+}
+
+// workspace_lookup with a per-thread memo of the last eager (device, stream):
+// outside capture a call costs one cudaStreamIsCapturing, no lock. The memo
+// is dropped whenever any entry gets a new tensor (the generation moved).
+unsigned* workspace(const at::Tensor& like, cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TORCH_OPS_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) return workspace_lookup(like, stream);
+  struct Memo {
+    int device = -1;
+    cudaStream_t stream = nullptr;
+    unsigned long long generation = ~0ull;
+    unsigned* ws = nullptr;
+  };
+  thread_local Memo memo;
+  const int device = (int)like.get_device();
+  const unsigned long long generation = g_ws_generation.load(std::memory_order_acquire);
+  if (memo.device == device && memo.stream == stream && memo.generation == generation) return memo.ws;
+  // The generation read before the lookup: a replacement since then misses
+  // next time instead of being memoized as current.
+  memo = Memo{device, stream, generation, workspace_lookup(like, stream)};
+  return memo.ws;
 }
 
 float fmax_of(int fmt) { return fmt == 1 ? 57344.0f : 448.0f; }
@@ -905,7 +932,7 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
                      const at::Tensor& hist_for_empty,  // mode 1: history (for the empty check)
                      const at::Tensor& q, long long ldq, const at::Tensor& qt, long long ldqt, int algo,
                      double mdiv_d, bool skip_zero) {
-  const at::cuda::CUDAGuard guard(x.device());
+  const DeviceScope device_scope(x);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const float fmax = fmax_of(fmt);
   const float mdiv = (float)mdiv_d;
@@ -1009,6 +1036,43 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
 // tests and benchmarks.
 int set_tile_version(int version) { return g_tile_override.exchange(version); }
 
+namespace {
+// Launches `Kernel` (a __global__ function of this file, no dynamic shared
+// memory) through the driver's cuLaunchKernel with the kernel's function
+// handle for `device`, looked up once per device. The small path's one launch
+// per step is on the critical host path: this way measured 3-5 us less host
+// time per step than <<<>>> on the H200 host (docs/benchmarks.md, sixth
+// session).
+constexpr int kMaxDevices = 64;
+
+PFN_cuLaunchKernel_v4000 driver_launch_fn() {
+  static const PFN_cuLaunchKernel_v4000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    TORCH_OPS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuLaunchKernel", &p, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(p != nullptr && found == cudaDriverEntryPointSuccess, "torch_ops: no cuLaunchKernel in the driver");
+    return reinterpret_cast<PFN_cuLaunchKernel_v4000>(p);
+  }();
+  return fn;
+}
+
+template <auto* Kernel>
+void launch_by_driver(int device, dim3 grid, dim3 block, cudaStream_t stream, void** params) {
+  static std::array<std::atomic<cudaFunction_t>, kMaxDevices> handles{};  // one table per kernel
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "torch_ops: device index ", std::to_string(device),
+              " out of range");
+  cudaFunction_t f = handles[device].load(std::memory_order_acquire);
+  if (f == nullptr) {
+    // For the current device, which the caller's DeviceScope made `device`.
+    TORCH_OPS_CUDA_CHECK(cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(Kernel)));
+    handles[device].store(f, std::memory_order_release);
+  }
+  const CUresult r = driver_launch_fn()(reinterpret_cast<CUfunction>(f), grid.x, grid.y, grid.z, block.x, block.y,
+                                        block.z, 0, reinterpret_cast<CUstream>(stream), params, nullptr);
+  TORCH_CHECK(r == CUDA_SUCCESS, "torch_ops: cuLaunchKernel failed with CUresult ", std::to_string((int)r));
+}
+}  // namespace
+
 // Delayed-scaling state update of `n` (1..kMaxRecordJobs) tensors
 // (fp8_linear's small path): for each, amax -> scale_used (seeded iff the
 // history is empty) -> history shift -> next scale, exactly as
@@ -1019,7 +1083,7 @@ void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv_d) 
   TORCH_CHECK(n >= 1 && n <= kMaxRecordJobs, "amax_record_launch: expected 1 to ",
               std::to_string(kMaxRecordJobs), " tensors, got ", std::to_string(n));
   const at::Tensor& x0 = *recs[0].x;
-  const at::cuda::CUDAGuard guard(x0.device());
+  const DeviceScope device_scope(x0);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   unsigned* wsp = workspace(x0, stream);
   // Per job: two counter words at wsp + 2 + 2i, its scale_used at wsp + 8 + i.
@@ -1058,13 +1122,14 @@ void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv_d) 
   }
   long long blocks = (nmax / 8 + kThreads - 1) / kThreads;
   blocks = std::max<long long>(1, std::min<long long>(blocks, 4LL * num_sms()));
-  amax_record_kernel<<<dim3((unsigned)blocks, (unsigned)n), kThreads, 0, stream>>>(jobs);
-  TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+  void* params[] = {&jobs};
+  launch_by_driver<&amax_record_kernel>(x0.get_device(), dim3((unsigned)blocks, (unsigned)n), dim3(kThreads), stream,
+                                        params);
 }
 
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt,
                         int algo, double mdiv_d, bool skip_zero) {
-  const at::cuda::CUDAGuard guard(history.device());
+  const DeviceScope device_scope(history);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // The kernel reads scale (as scale_used) and writes it: one thread does both
   // in order, so the read happens before the write.
