@@ -65,8 +65,6 @@ def main(argv=None):
         ("ours: the same, tile kernel v2 (register loads)", delayed_t, 2 * n + 2 * n, 2),
         ("ours: the same, tile kernel v3 (cp.async double buffer)", delayed_t, 2 * n + 2 * n, 3),
         ("ours: the same, tile kernel v4 (v3, tiles down the column bands first)", delayed_t, 2 * n + 2 * n, 4),
-        ("ours: the same, tile kernel v5 (v3, cache-streaming stores)", delayed_t, 2 * n + 2 * n, 5),
-        ("ours: the same, tile kernel v6 (v4, cache-streaming stores)", delayed_t, 2 * n + 2 * n, 6),
         ("ours: quantize_delayed, q + amax + history (no transpose)",
          lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n, None),
         ("ours: amax + history only (no fp8 output)",

@@ -561,20 +561,7 @@ __device__ __forceinline__ void transpose4x4(unsigned a, unsigned b, unsigned c,
 // (zeros outside x). Quantizes, accumulates the amax bits into `local`,
 // stores q and (through the shared tile) qt. Ends with a barrier when qt is
 // written.
-// 8- and 16-byte global stores; kStream: cache-streaming (st.global.cs,
-// evict-first: the FP8 outputs are not read again by this kernel).
-template <bool kStream>
-__device__ __forceinline__ void store8(uint8_t* p, uint2 v) {
-  if constexpr (kStream) __stcs(reinterpret_cast<uint2*>(p), v);
-  else *reinterpret_cast<uint2*>(p) = v;
-}
-template <bool kStream>
-__device__ __forceinline__ void store16(uint8_t* p, uint4 v) {
-  if constexpr (kStream) __stcs(reinterpret_cast<uint4*>(p), v);
-  else *reinterpret_cast<uint4*>(p) = v;
-}
-
-template <typename T, bool kE5M2, bool kStream = false>
+template <typename T, bool kE5M2>
 __device__ __forceinline__ void quant_store_tile2(const Raw8<T>* raw, long long r0, long long c0, long long R,
                                                   long long C, uint8_t* __restrict__ q, long long ldq,
                                                   uint8_t* __restrict__ qt, long long ldqt, float s, int lv, int g,
@@ -604,7 +591,7 @@ __device__ __forceinline__ void quant_store_tile2(const Raw8<T>* raw, long long 
     }
     if (q && r < R) {
       if (c + 8 <= ldq && (ldq & 7) == 0) {
-        store8<kStream>(q + r * ldq + c, o[j]);
+        *reinterpret_cast<uint2*>(q + r * ldq + c) = o[j];
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
@@ -635,7 +622,7 @@ __device__ __forceinline__ void quant_store_tile2(const Raw8<T>* raw, long long 
       if (orow < C) {
         const uint4 v = *reinterpret_cast<const uint4*>(&tile_t[cc * (TR / 4) + 4 * kp]);
         if (ocol + 16 <= ldqt && (ldqt & 15) == 0) {
-          store16<kStream>(qt + orow * ldqt + ocol, v);
+          *reinterpret_cast<uint4*>(qt + orow * ldqt + ocol) = v;
         } else {
           const unsigned wv[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -692,11 +679,10 @@ __device__ __forceinline__ void cp_async_wait() {
 // quant_tile2_kernel's tiles, outputs and shared-memory transpose, with the
 // input tile brought in by cp.async into a double buffer, so that the next
 // tile's 16 KB are in flight while this one is quantized and stored.
-// kDownFirst (versions 4 and 6): consecutive tiles go down a 128-column
-// band, so that blocks running together write neighbouring 64-byte pieces
-// of the same q_t rows (instead of neighbouring pieces of the same x rows).
-// kStream (versions 5 and 6): the q and q_t stores are cache-streaming.
-template <typename T, bool kE5M2, bool kDownFirst, bool kStream>
+// kDownFirst (version 4): consecutive tiles go down a 128-column band, so
+// that blocks running together write neighbouring 64-byte pieces of the
+// same q_t rows (instead of neighbouring pieces of the same x rows).
+template <typename T, bool kE5M2, bool kDownFirst>
 __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
     const T* __restrict__ x, long long R, long long C, uint8_t* __restrict__ q, long long ldq,
     uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
@@ -746,7 +732,7 @@ __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
     Raw8<T> raw[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) raw[j].u[0] = *reinterpret_cast<const uint4*>(&in_buf[b][(4 * g + j) * kRowBytes + lv * 16]);
-    quant_store_tile2<T, kE5M2, kStream>(raw, r0, c0, R, C, q, ldq, qt, ldqt, s, lv, g, local, tile_t);
+    quant_store_tile2<T, kE5M2>(raw, r0, c0, R, C, q, ldq, qt, ldqt, s, lv, g, local, tile_t);
     if (!qt) __syncthreads();  // in_buf[b] is refilled in the next iteration
   }
   unsigned bm = block_reduce_max(local, smem);
@@ -832,9 +818,8 @@ int tile_rows() {
 
 // Transposing tile kernel: 3 (default: quant_tile3_kernel where the input
 // is 16-bit with 8-column vector access, else quant_tile2_kernel), 4 (the
-// same, tiles down the column bands first), 5 and 6 (3 and 4 with
-// cache-streaming stores), 2 (quant_tile2_kernel) or 1 (the first
-// quant_tile_kernel); from TORCH_OPS_QTILE=v1|v2|v3|v4|v5|v6,
+// same, tiles down the column bands first), 2 (quant_tile2_kernel) or 1
+// (the first quant_tile_kernel); from TORCH_OPS_QTILE=v1|v2|v3|v4,
 // TORCH_OPS_QTILE_R=128 implies 1. Benchmarks and
 // tests override it per process with set_tile_version (bindings).
 std::atomic<int> g_tile_override{0};
@@ -845,7 +830,7 @@ int tile_version() {
   static const int v = [] {
     const char* e = std::getenv("TORCH_OPS_QTILE");
     const std::string s = e ? e : "";
-    return s == "v1" ? 1 : (s == "v2" ? 2 : (s == "v4" ? 4 : (s == "v5" ? 5 : (s == "v6" ? 6 : 3))));
+    return s == "v1" ? 1 : (s == "v2" ? 2 : (s == "v4" ? 4 : 3));
   }();
   return tile_rows() == 128 ? 1 : v;
 }
@@ -1010,16 +995,9 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       if constexpr (sizeof(T) == 2) {
         if (version >= 3 && vec) {
           const long long nt3 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
-          const bool down = version == 4 || version == 6, streaming = version >= 5;
-          using K3 = decltype(&quant_tile3_kernel<T, false, false, false>);
-          // [E5M2][down first][streaming]
-          static const K3 kernels[2][2][2] = {
-              {{quant_tile3_kernel<T, false, false, false>, quant_tile3_kernel<T, false, false, true>},
-               {quant_tile3_kernel<T, false, true, false>, quant_tile3_kernel<T, false, true, true>}},
-              {{quant_tile3_kernel<T, true, false, false>, quant_tile3_kernel<T, true, false, true>},
-               {quant_tile3_kernel<T, true, true, false>, quant_tile3_kernel<T, true, true, true>}}};
-          const K3 kernel = kernels[fmt == 1][down][streaming];
-          static const int per_sm = blocks_per_sm(kernel);  // the same for all eight
+          auto kernel = version == 4 ? (fmt == 1 ? quant_tile3_kernel<T, true, true> : quant_tile3_kernel<T, false, true>)
+                                     : (fmt == 1 ? quant_tile3_kernel<T, true, false> : quant_tile3_kernel<T, false, false>);
+          static const int per_sm = blocks_per_sm(kernel);  // same for all four
           const unsigned nb3 = (unsigned)std::max<long long>(1, std::min<long long>(nt3, (long long)per_sm * num_sms()));
           kernel<<<nb3, kThreads, 0, stream>>>(xp, R, C, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
           return;
@@ -1053,7 +1031,7 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());
 }
 
-// The transposing tile kernel (0: back to TORCH_OPS_QTILE; 1 to 6: that
+// The transposing tile kernel (0: back to TORCH_OPS_QTILE; 1, 2, 3: that
 // version; checked in bindings.cpp). Returns the previous override. For
 // tests and benchmarks.
 int set_tile_version(int version) { return g_tile_override.exchange(version); }
