@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fourth and fifth sessions' device calls (capped at $BUDGET s), by PHASES:
+# The fourth to sixth sessions' device calls (capped at $BUDGET s), by PHASES:
 #   build   python -m torch_ops build
 #   tests   tests/torch_ops + torch dispatch/saving/training tests (torch backend)
 #   qbench  benchmarks/quantize.py (tile kernels v2 and v3 side by side)
