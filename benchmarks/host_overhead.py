@@ -14,7 +14,7 @@ microseconds per call of each variant and its difference from nn.Linear:
   C++ entry called directly (`torch_ops.linear._ext().linear`, without the
   Python wrapper);
 - forward + backward: nn.Linear; fp8_linear default (the state update: one
-  pre-hook on the GEMM node and one launch in the backward); fp8_linear with training=False (the
+  post-hook on the GEMM node and one launch in the backward); fp8_linear with training=False (the
   entry, no state update).
 """
 

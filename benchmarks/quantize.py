@@ -65,6 +65,7 @@ def main(argv=None):
         ("ours: the same, tile kernel v2 (register loads)", delayed_t, 2 * n + 2 * n, 2),
         ("ours: the same, tile kernel v3 (cp.async double buffer)", delayed_t, 2 * n + 2 * n, 3),
         ("ours: the same, tile kernel v4 (v3, tiles down the column bands first)", delayed_t, 2 * n + 2 * n, 4),
+        ("ours: the same, tile kernel v5 (lean: registers only, a 64x64 tile per warp)", delayed_t, 2 * n + 2 * n, 5),
         ("ours: quantize_delayed, q + amax + history (no transpose)",
          lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n, None),
         ("ours: amax + history only (no fp8 output)",

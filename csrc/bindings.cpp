@@ -120,7 +120,7 @@ void record_amax(const at::Tensor& history, const at::Tensor& scale, const at::T
 }
 
 int set_tile_version(int64_t version) {
-  TORCH_CHECK_VALUE(version >= 0 && version <= 4, "version: expected 0 (default), 1, 2, 3 or 4, got ",
+  TORCH_CHECK_VALUE(version >= 0 && version <= 5, "version: expected 0 (default), 1, 2, 3, 4 or 5, got ",
                     std::to_string(version));
   return torch_ops::set_tile_version((int)version);
 }
@@ -136,7 +136,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x, prev_scale, fmt, mdiv, transpose, pad, write_q -> (q, qt, scale_used, amax)");
   m.def("record_amax", &record_amax, "history, scale, amax, fmt, mdiv, algo, skip_zero");
   m.def("set_tile_version", &set_tile_version,
-        "version (0 default, 1, 2, 3, 4): the transposing quantize kernel of this process -> previous override");
+        "version (0 default, 1, 2, 3, 4, 5): the transposing quantize kernel of this process -> previous override");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
   m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "

@@ -277,24 +277,26 @@ at::Tensor small_linear(const at::Tensor& x2d, const at::Tensor& weight, const c
 }
 
 // The small path's state update while autograd records: one launch, when
-// the backward reaches the GEMM's node, records the amaxes of x, the weight
+// the backward has run the GEMM's node, records the amaxes of x, the weight
 // and the output gradient (each history and scale as quantize_delayed with
 // record=True would). Instead of a launch in the forward and another in the
 // backward: at the small sizes the host time of a launch is the cost. A
-// pre-hook of the node (not a tensor hook: register_hook builds a hook list
-// and two wrappers per call).
-struct RecordAtBackward : torch::autograd::FunctionPreHook {
-  RecordAtBackward(const at::Tensor& x, const at::Tensor& w, const std::vector<at::Tensor>& state, int grad_fmt,
-                   int algo, double mdiv, uint32_t output_nr)
+// post-hook of the node (not a tensor hook: register_hook builds a hook list
+// and two wrappers per call), so that the backward's GEMMs are launched
+// first: measured 1.6-2.4 us per step less than a pre-hook (session 7).
+struct RecordAfterBackward : torch::autograd::FunctionPostHook {
+  RecordAfterBackward(const at::Tensor& x, const at::Tensor& w, const std::vector<at::Tensor>& state, int grad_fmt,
+                      int algo, double mdiv, uint32_t output_nr)
       : x(x), w(w), xs(state[0]), xh(state[1]), ws(state[2]), wh(state[3]), gs(state[4]), gh(state[5]),
         grad_fmt(grad_fmt), algo(algo), mdiv(mdiv), output_nr(output_nr) {}
 
-  variable_list operator()(const variable_list& grads) override {
-    const at::Tensor& grad = grads[output_nr];
+  // grad_outputs: the gradients flowing into the node (the output's is ours).
+  variable_list operator()(const variable_list& grad_inputs, const variable_list& grad_outputs) override {
+    const at::Tensor& grad = grad_outputs[output_nr];
     const at::Tensor g = grad.defined() ? grad.contiguous() : at::Tensor();
     const AmaxRecord recs[3] = {{&x, &xh, &xs, kE4M3}, {&w, &wh, &ws, kE4M3}, {&g, &gh, &gs, grad_fmt}};
     amax_record_launch(recs, g.defined() ? 3 : 2, algo, mdiv);
-    return grads;
+    return grad_inputs;
   }
 
   at::Tensor x, w, xs, xh, ws, wh, gs, gh;
@@ -307,7 +309,8 @@ void record_in_backward(const at::Tensor& out, const at::Tensor& x2d, const at::
                         const std::vector<at::Tensor>& state, int grad_fmt, int algo, double mdiv) {
   const auto& node = out.grad_fn();  // at::linear's / mm's node: out requires grad here
   TORCH_CHECK(node, "fp8_linear: the small path's output has no autograd node");
-  node->add_pre_hook(std::make_unique<RecordAtBackward>(x2d, wd, state, grad_fmt, algo, mdiv, out.output_nr()));
+  node->add_post_hook(
+      std::make_unique<RecordAfterBackward>(x2d, wd, state, grad_fmt, algo, mdiv, out.output_nr()));
 }
 
 // The call after check_args. `sink`: none, a 0-d sink (linear) or the (3,)

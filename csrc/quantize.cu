@@ -740,6 +740,100 @@ __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
 }
 
 // ---------------------------------------------------------------------------
+// Lean tile kernel, v5 (default where it applies): 16-bit input, R and C
+// multiples of 64, q (if written) and q_t unpadded. No shared memory and no
+// bounds checks: a warp owns a 64 x 64 tile; lane (lv, gq) loads rows
+// r0 + 16 gq .. + 15, columns c0 + 8 lv .. + 7 (sixteen 16-byte loads in
+// flight), quantizes, stores its eight q bytes per row, and transposes its
+// 16 x 8 bytes in registers into eight 16-byte pieces of q_t rows (four
+// lanes write 64 contiguous bytes of each q_t row). The amax is a max over
+// the packed 16-bit |x| bits, converted once at the end. Numerics as every
+// other kernel here (q2 on the float value), so the bytes are the same.
+__device__ __forceinline__ unsigned max_u16x2(unsigned a, unsigned b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));  // PTX: sm_90 and later
+  return d;
+#else
+  return __vmaxu2(a, b);
+#endif
+}
+
+// Two 16-bit elements packed in a word: to floats; the f32 bits of the larger
+// of two packed |x| values.
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  static __device__ __forceinline__ float2 f32(unsigned w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+  static __device__ __forceinline__ unsigned amax_bits(unsigned m2) { return max(m2 & 0xffffu, m2 >> 16) << 16; }
+};
+template <>
+struct Pair<__half> {
+  static __device__ __forceinline__ float2 f32(unsigned w) {
+    __half2 h;
+    memcpy(&h, &w, sizeof(h));
+    return __half22float2(h);
+  }
+  static __device__ __forceinline__ unsigned amax_bits(unsigned m2) {
+    const unsigned short b = (unsigned short)max(m2 & 0xffffu, m2 >> 16);
+    return abs_bits(__half2float(__ushort_as_half(b)));
+  }
+};
+
+constexpr unsigned kAbs16x2 = 0x7fff7fffu;
+
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __restrict__ x, long long R, long long C,
+                                                                 unsigned tiles_c, unsigned ntiles,
+                                                                 uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                                                                 Finalize f) {
+  static_assert(sizeof(T) == 2, "quant_lean_kernel: 16-bit inputs");
+  __shared__ unsigned smem[kRedWords];
+  const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
+  const int lane = threadIdx.x & 31;
+  const int lv = lane & 7, gq = lane >> 3;
+  const unsigned nwarps = gridDim.x * (kThreads / 32);
+  unsigned m2 = 0u;
+  for (unsigned t = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); t < ntiles; t += nwarps) {
+    const long long r0 = (long long)(t / tiles_c) * 64 + 16 * gq;  // this lane's first row
+    const long long c0 = (long long)(t % tiles_c) * 64 + 8 * lv;   // and first column
+    const uint4* src = reinterpret_cast<const uint4*>(x + r0 * C + c0);
+    const long long row_vecs = C / 8;
+    uint4 in[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) in[j] = __ldg(src + j * row_vecs);
+    unsigned ot[8][4];
+#pragma unroll
+    for (int jg = 0; jg < 4; ++jg) {
+      unsigned lo[4], hi[4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const uint4 v = in[4 * jg + jj];
+        m2 = max_u16x2(m2, max_u16x2(v.x & kAbs16x2, v.y & kAbs16x2));
+        m2 = max_u16x2(m2, max_u16x2(v.z & kAbs16x2, v.w & kAbs16x2));
+        const float2 a = Pair<T>::f32(v.x), b = Pair<T>::f32(v.y), c = Pair<T>::f32(v.z), d = Pair<T>::f32(v.w);
+        lo[jj] = (unsigned)q2<kE5M2>(a.x, a.y, s) | ((unsigned)q2<kE5M2>(b.x, b.y, s) << 16);
+        hi[jj] = (unsigned)q2<kE5M2>(c.x, c.y, s) | ((unsigned)q2<kE5M2>(d.x, d.y, s) << 16);
+        if (q) *reinterpret_cast<uint2*>(q + (r0 + 4 * jg + jj) * C + c0) = make_uint2(lo[jj], hi[jj]);
+      }
+      unsigned w[8];
+      transpose4x4(lo[0], lo[1], lo[2], lo[3], w);
+      transpose4x4(hi[0], hi[1], hi[2], hi[3], w + 4);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ot[i][jg] = w[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      *reinterpret_cast<uint4*>(qt + (c0 + i) * R + r0) = make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]);
+  }
+  const unsigned bm = block_reduce_max(Pair<T>::amax_bits(m2), smem);
+  block_done(bm, f, smem, gridDim.x);
+}
+
+// ---------------------------------------------------------------------------
 // Amax + history/scale update of two tensors in one launch (no fp8 output):
 // blockIdx.y picks the job, each job has its own workspace and last block.
 // The state updates of fp8_linear's small-GEMM path (x and weight).
@@ -816,12 +910,13 @@ int tile_rows() {
   return tr;
 }
 
-// Transposing tile kernel: 3 (default: quant_tile3_kernel where the input
-// is 16-bit with 8-column vector access, else quant_tile2_kernel), 4 (the
-// same, tiles down the column bands first), 2 (quant_tile2_kernel) or 1
-// (the first quant_tile_kernel); from TORCH_OPS_QTILE=v1|v2|v3|v4,
-// TORCH_OPS_QTILE_R=128 implies 1. Benchmarks and
-// tests override it per process with set_tile_version (bindings).
+// Transposing tile kernel: 5 (default: quant_lean_kernel where it applies,
+// else as 3), 3 (quant_tile3_kernel where the input is 16-bit with 8-column
+// vector access, else quant_tile2_kernel), 4 (the same, tiles down the
+// column bands first), 2 (quant_tile2_kernel) or 1 (the first
+// quant_tile_kernel); from TORCH_OPS_QTILE=v1|v2|v3|v4|v5,
+// TORCH_OPS_QTILE_R=128 implies 1. Benchmarks and tests override it per
+// process with set_tile_version (bindings).
 std::atomic<int> g_tile_override{0};
 
 int tile_version() {
@@ -830,7 +925,7 @@ int tile_version() {
   static const int v = [] {
     const char* e = std::getenv("TORCH_OPS_QTILE");
     const std::string s = e ? e : "";
-    return s == "v1" ? 1 : (s == "v2" ? 2 : (s == "v4" ? 4 : 3));
+    return s == "v1" ? 1 : (s == "v2" ? 2 : (s == "v3" ? 3 : (s == "v4" ? 4 : 5)));
   }();
   return tile_rows() == 128 ? 1 : v;
 }
@@ -993,6 +1088,18 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       const int tr = tile_rows();
       const int version = tile_version();
       if constexpr (sizeof(T) == 2) {
+        // v5 where it applies: whole 64 x 64 tiles, no padding, 16-byte aligned outputs.
+        const bool lean = version == 5 && vec && qtp != nullptr && R % 64 == 0 && C % 64 == 0 && ldqt == R &&
+                          (qp == nullptr || ldq == C) && (reinterpret_cast<uintptr_t>(qtp) & 15) == 0 &&
+                          (reinterpret_cast<uintptr_t>(qp) & 7) == 0 && (R / 64) * (C / 64) < (1LL << 31);
+        if (lean) {
+          const unsigned tiles_c = (unsigned)(C / 64), ntiles = (unsigned)((R / 64) * (C / 64));
+          // Two tiles per warp: blocks are scheduled as SMs free up, so the tail stays short.
+          const unsigned nb = std::max(1u, (ntiles + 15u) / 16u);
+          auto kernel = fmt == 1 ? quant_lean_kernel<T, true> : quant_lean_kernel<T, false>;
+          kernel<<<nb, kThreads, 0, stream>>>(xp, R, C, tiles_c, ntiles, qp, qtp, f);
+          return;
+        }
         if (version >= 3 && vec) {
           const long long nt3 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
           auto kernel = version == 4 ? (fmt == 1 ? quant_tile3_kernel<T, true, true> : quant_tile3_kernel<T, false, true>)

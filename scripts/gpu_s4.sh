@@ -18,7 +18,8 @@ device_init 550
 PHASES=${PHASES:-"build tests qbench"}
 say "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader) $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)') $(git log -1 --format=%h 2>/dev/null) phases: $PHASES"
 if has build; then
-  step build 200 python3 -m torch_ops build; tail -3 "$OUT/build.txt" | tee -a "$LOG"
+  step build 200 python3 -m torch_ops build; rc=$?; tail -3 "$OUT/build.txt" | tee -a "$LOG"
+  ((rc == 0)) || { say "build failed: stopping"; exit 1; }
 fi
 if has tests; then
   step cxxerr 120 python3 scripts/cxx_errors.py; cat "$OUT/cxxerr.txt" | tee -a "$LOG"

@@ -96,8 +96,11 @@ def load(verbose: bool = False):
                 with_cuda=True,
             )
         except Exception as e:  # noqa: BLE001 - report any build failure as one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            _error = f"building the torch_ops kernels failed: {first}"
+            lines = str(e).strip().splitlines()
+            first = lines[0] if lines else type(e).__name__
+            # The compiler's first error line, where the log carries one.
+            err = next((ln.strip() for ln in lines if "error" in ln.lower() and ln is not first), "")
+            _error = f"building the torch_ops kernels failed: {first}" + (f" [{err[:300]}]" if err else "")
             raise RuntimeError(_error) from e
         return _module
 

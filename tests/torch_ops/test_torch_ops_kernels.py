@@ -106,8 +106,8 @@ class QuantizeKernelTest(parameterized.TestCase):
             self.assertEqual(int(qt[:, R:].view(torch.uint8).sum()), 0)
 
     @parameterized.product(
-        version=[1, 2, 3, 4],
-        shape=[(64, 128), (4095, 4096), (1000, 136), (4097, 129), (16384, 4096)],
+        version=[1, 2, 3, 4, 5],
+        shape=[(64, 128), (4095, 4096), (1000, 136), (4097, 129), (16384, 4096), (192, 320)],
         in_dtype=[torch.bfloat16, torch.float16],
         dt=[E4M3, E5M2],
     )
@@ -132,6 +132,31 @@ class QuantizeKernelTest(parameterized.TestCase):
         assert_same_fp8(qt[:, :R], rq.t().contiguous())
         self.assertEqual(int(q[:, C:].view(torch.uint8).sum()) + int(qt[:, R:].view(torch.uint8).sum()), 0)
         assert_same_f32(amax, ramax)
+
+    @parameterized.product(
+        shape=[(64, 64), (128, 192), (1024, 4096)],
+        in_dtype=[torch.bfloat16, torch.float16],
+        special=[False, True],
+        write_q=[True, False],
+    )
+    def test_lean_kernel_equal_emulation(self, shape, in_dtype, special, write_q):
+        """Version 5 (whole 64 x 64 tiles, no padding): bytes, finite and
+        non-finite amax, with and without q."""
+        ext = torch_ops._build.load()
+        x = rand(shape, in_dtype, special=special, seed=11)
+        s = torch.tensor(0.173, device=DEV)
+        prev = ext.set_tile_version(5)
+        try:
+            poison()
+            q, qt, amax = torch.ops.torch_ops.quantize(x, s, E4M3, True, True, write_q)
+        finally:
+            ext.set_tile_version(prev)
+        rq, _, ramax = emu.quantize(x, s, E4M3)
+        if write_q:
+            assert_same_fp8(q, rq)
+        assert_same_fp8(qt, rq.t().contiguous())
+        assert_same_f32(amax, ramax)
+        self.assertEqual(bool(torch.isfinite(amax)), not special)
 
     def test_set_tile_version_names_bad_version(self):
         with self.assertRaisesRegex(ValueError, "version: expected 0"):
