@@ -54,6 +54,14 @@ def main(argv=None):
     def delayed_t():
         return torch_ops.quantize_delayed(x, hist, scale, e4, transpose=True)
 
+    x32 = x.float()
+    hist32 = torch.zeros(1024, device=dev)
+    scale32 = torch.ones((), device=dev)
+    torch_ops.quantize_delayed(x32, hist32, scale32, e4)
+
+    def delayed_t32():
+        return torch_ops.quantize_delayed(x32, hist32, scale32, e4, transpose=True)
+
     # (name, fn, bytes, transposing kernel version or None)
     variants = [
         ("device copy (x.clone())", lambda: x.clone(), 2 * n * 2, None),
@@ -66,6 +74,8 @@ def main(argv=None):
         ("ours: the same, tile kernel v3 (cp.async double buffer)", delayed_t, 2 * n + 2 * n, 3),
         ("ours: the same, tile kernel v4 (v3, tiles down the column bands first)", delayed_t, 2 * n + 2 * n, 4),
         ("ours: the same, tile kernel v5 (lean: registers only, a 64x64 tile per warp)", delayed_t, 2 * n + 2 * n, 5),
+        ("ours: float32 x (a master weight), q + q_t, tile kernel v2 (before v5)", delayed_t32, 4 * n + 2 * n, 2),
+        ("ours: float32 x (a master weight), q + q_t, tile kernel v5 (lean)", delayed_t32, 4 * n + 2 * n, 5),
         ("ours: quantize_delayed, q + amax + history (no transpose)",
          lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n, None),
         ("ours: amax + history only (no fp8 output)",

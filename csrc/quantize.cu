@@ -740,8 +740,8 @@ __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
 }
 
 // ---------------------------------------------------------------------------
-// Lean tile kernel, v5 (default where it applies): 16-bit input, R and C
-// multiples of 64, q (if written) and q_t unpadded. No shared memory and no
+// Lean tile kernel, v5 (default where it applies): 16-bit input (float32:
+// quant_lean_f32_kernel below), R and C multiples of 64, q (if written) and q_t unpadded. No shared memory and no
 // bounds checks: a warp owns a 64 x 64 tile; lane (lv, gq) loads rows
 // r0 + 16 gq .. + 15, columns c0 + 8 lv .. + 7 (sixteen 16-byte loads in
 // flight), quantizes, stores its eight q bytes per row, and transposes its
@@ -830,6 +830,65 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
       *reinterpret_cast<uint4*>(qt + (c0 + i) * R + r0) = make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]);
   }
   const unsigned bm = block_reduce_max(Pair<T>::amax_bits(m2), smem);
+  block_done(bm, f, smem, gridDim.x);
+}
+
+// The same for float32 input (the weights of mixed-precision models): a lane
+// owns columns c0 + 4 lv .. + 3 and c0 + 32 + 4 lv .. + 3 of its sixteen rows,
+// so that each warp load reads whole 128-byte row pieces; loaded four rows
+// at a time (two 16-byte loads per row).
+template <bool kE5M2>
+__global__ void __launch_bounds__(kThreads, 2) quant_lean_f32_kernel(const float* __restrict__ x, long long R,
+                                                                     long long C, unsigned tiles_c, unsigned ntiles,
+                                                                     uint8_t* __restrict__ q,
+                                                                     uint8_t* __restrict__ qt, Finalize f) {
+  __shared__ unsigned smem[kRedWords];
+  const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
+  const int lane = threadIdx.x & 31;
+  const int lv = lane & 7, gq = lane >> 3;
+  const unsigned nwarps = gridDim.x * (kThreads / 32);
+  unsigned local = 0u;
+  for (unsigned t = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); t < ntiles; t += nwarps) {
+    const long long r0 = (long long)(t / tiles_c) * 64 + 16 * gq;
+    const long long ca = (long long)(t % tiles_c) * 64 + 4 * lv;  // and cb = ca + 32
+    const float4* src = reinterpret_cast<const float4*>(x + r0 * C + ca);
+    const long long row_vecs = C / 4;
+    unsigned ot[8][4];
+#pragma unroll
+    for (int jg = 0; jg < 4; ++jg) {
+      float4 in[4][2];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        in[jj][0] = __ldg(src + (4 * jg + jj) * row_vecs);
+        in[jj][1] = __ldg(src + (4 * jg + jj) * row_vecs + 8);
+      }
+      unsigned lo[4], hi[4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const float4 a = in[jj][0], b = in[jj][1];
+        local = max(local, max(max(abs_bits(a.x), abs_bits(a.y)), max(abs_bits(a.z), abs_bits(a.w))));
+        local = max(local, max(max(abs_bits(b.x), abs_bits(b.y)), max(abs_bits(b.z), abs_bits(b.w))));
+        lo[jj] = (unsigned)q2<kE5M2>(a.x, a.y, s) | ((unsigned)q2<kE5M2>(a.z, a.w, s) << 16);
+        hi[jj] = (unsigned)q2<kE5M2>(b.x, b.y, s) | ((unsigned)q2<kE5M2>(b.z, b.w, s) << 16);
+        if (q) {
+          uint8_t* row = q + (r0 + 4 * jg + jj) * C + ca;
+          *reinterpret_cast<unsigned*>(row) = lo[jj];
+          *reinterpret_cast<unsigned*>(row + 32) = hi[jj];
+        }
+      }
+      unsigned w[8];
+      transpose4x4(lo[0], lo[1], lo[2], lo[3], w);
+      transpose4x4(hi[0], hi[1], hi[2], hi[3], w + 4);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ot[i][jg] = w[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const long long col = ca + (i < 4 ? i : 32 + i - 4);
+      *reinterpret_cast<uint4*>(qt + col * R + r0) = make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]);
+    }
+  }
+  const unsigned bm = block_reduce_max(local, smem);
   block_done(bm, f, smem, gridDim.x);
 }
 
@@ -1087,19 +1146,24 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       const long long ext_r = std::max<long long>(R, qtp ? ldqt : R);
       const int tr = tile_rows();
       const int version = tile_version();
-      if constexpr (sizeof(T) == 2) {
-        // v5 where it applies: whole 64 x 64 tiles, no padding, 16-byte aligned outputs.
-        const bool lean = version == 5 && vec && qtp != nullptr && R % 64 == 0 && C % 64 == 0 && ldqt == R &&
-                          (qp == nullptr || ldq == C) && (reinterpret_cast<uintptr_t>(qtp) & 15) == 0 &&
-                          (reinterpret_cast<uintptr_t>(qp) & 7) == 0 && (R / 64) * (C / 64) < (1LL << 31);
-        if (lean) {
-          const unsigned tiles_c = (unsigned)(C / 64), ntiles = (unsigned)((R / 64) * (C / 64));
-          // Two tiles per warp: blocks are scheduled as SMs free up, so the tail stays short.
-          const unsigned nb = std::max(1u, (ntiles + 15u) / 16u);
+      // v5 where it applies: whole 64 x 64 tiles, no padding, aligned outputs.
+      const bool lean = version == 5 && vec && qtp != nullptr && R % 64 == 0 && C % 64 == 0 && ldqt == R &&
+                        (qp == nullptr || ldq == C) && (reinterpret_cast<uintptr_t>(qtp) & 15) == 0 &&
+                        (reinterpret_cast<uintptr_t>(qp) & 7) == 0 && (R / 64) * (C / 64) < (1LL << 31);
+      if (lean) {
+        const unsigned tiles_c = (unsigned)(C / 64), ntiles = (unsigned)((R / 64) * (C / 64));
+        // Two tiles per warp: blocks are scheduled as SMs free up, so the tail stays short.
+        const unsigned nb = std::max(1u, (ntiles + 15u) / 16u);
+        if constexpr (sizeof(T) == 2) {
           auto kernel = fmt == 1 ? quant_lean_kernel<T, true> : quant_lean_kernel<T, false>;
           kernel<<<nb, kThreads, 0, stream>>>(xp, R, C, tiles_c, ntiles, qp, qtp, f);
-          return;
+        } else {
+          auto kernel = fmt == 1 ? quant_lean_f32_kernel<true> : quant_lean_f32_kernel<false>;
+          kernel<<<nb, kThreads, 0, stream>>>(xp, R, C, tiles_c, ntiles, qp, qtp, f);
         }
+        return;
+      }
+      if constexpr (sizeof(T) == 2) {
         if (version >= 3 && vec) {
           const long long nt3 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
           auto kernel = version == 4 ? (fmt == 1 ? quant_tile3_kernel<T, true, true> : quant_tile3_kernel<T, false, true>)

@@ -135,7 +135,7 @@ class QuantizeKernelTest(parameterized.TestCase):
 
     @parameterized.product(
         shape=[(64, 64), (128, 192), (1024, 4096)],
-        in_dtype=[torch.bfloat16, torch.float16],
+        in_dtype=[torch.bfloat16, torch.float16, torch.float32],
         special=[False, True],
         write_q=[True, False],
     )
