@@ -741,8 +741,8 @@ __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
 
 // ---------------------------------------------------------------------------
 // Lean tile kernel, v5 (default where it applies): 16-bit input (float32:
-// quant_lean_f32_kernel below), R and C multiples of 64, q (if written) and q_t unpadded. No shared memory and no
-// bounds checks: a warp owns a 64 x 64 tile; lane (lv, gq) loads rows
+// quant_lean_f32_kernel below), R and C multiples of 64, q (if written) and
+// q_t unpadded. No shared memory and no bounds checks: a warp owns a 64 x 64 tile; lane (lv, gq) loads rows
 // r0 + 16 gq .. + 15, columns c0 + 8 lv .. + 7 (sixteen 16-byte loads in
 // flight), quantizes, stores its eight q bytes per row, and transposes its
 // 16 x 8 bytes in registers into eight 16-byte pieces of q_t rows (four

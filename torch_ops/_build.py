@@ -99,7 +99,7 @@ def load(verbose: bool = False):
             lines = str(e).strip().splitlines()
             first = lines[0] if lines else type(e).__name__
             # The compiler's first error line, where the log carries one.
-            err = next((ln.strip() for ln in lines if "error" in ln.lower() and ln is not first), "")
+            err = next((ln.strip() for ln in lines[1:] if "error" in ln.lower()), "")
             _error = f"building the torch_ops kernels failed: {first}" + (f" [{err[:300]}]" if err else "")
             raise RuntimeError(_error) from e
         return _module
