@@ -10,7 +10,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
 
 #include "common.h"
 
@@ -97,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& 
   check_f32_state(scale, "scale", pending, 1, false);
   TORCH_CHECK(history.numel() >= 1 && history.numel() < (1LL << 31), "amax_history: expected 1 to 2**31-1 entries");
   TORCH_CHECK(window >= 1, "window: expected >= 1, got ", std::to_string(window));
-  const c10::cuda::CUDAGuard guard(pending.device());
+  const DeviceScope device_scope(pending);
   const int H = static_cast<int>(history.numel());
   const int w = static_cast<int>(std::min<long long>(window, H));
   at::Tensor token = at::empty({}, pending.options());
@@ -115,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& 
 // float32 or undefined (linear.cpp's backward, one launch instead of
 // isfinite/where/stack).
 void emit_pending_grad_launch(const at::Tensor& out, const at::Tensor& token) {
-  const c10::cuda::CUDAGuard guard(out.device());
+  const DeviceScope device_scope(out);
   emit_pending_grad_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
       out.data_ptr<float>(), token.defined() ? token.data_ptr<float>() : nullptr, (int)out.numel());
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());

@@ -356,16 +356,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   {
     at::NoGradGuard ng;
     wd = weight.is_contiguous() ? weight : weight.contiguous();
-    if (small) {
-      // Only the state updates matter here (no fp8 operand is used). With
-      // PyTorch's autograd (native_small) they all happen in the backward;
-      // otherwise one launch here for x and the weight, and the gradient's
-      // in LinearFn's backward. Without recording nothing is updated.
-      if (record && !native_small) {
-        const AmaxRecord recs[2] = {{&x2d, &state[1], &state[0], kE4M3}, {&wd, &state[3], &state[2], kE4M3}};
-        amax_record_launch(recs, 2, (int)algo, mdiv);
-      }
-    } else {
+    // Small: only the state updates matter (no fp8 operand is used); they
+    // are launched after the GEMM, below.
+    if (!small) {
       Q qx = quant(x2d, state[1], state[0], kE4M3, (int)scaling, mdiv, (int)algo, need_dw, record, true);
       // The forward wants (N, K), the dX GEMM (K, N); out_in stores (N, K).
       Q qw = quant(wd, state[3], state[2], kE4M3, (int)scaling, mdiv, (int)algo, in_out || need_dx, record,
@@ -391,6 +384,14 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     } else {
       out = fp8_gemm(e.qx, e.qw_fwd, e.sx, e.sw, bias_as(bias, x2d.scalar_type()), x2d.scalar_type(), true);
     }
+  }
+  if (small && record && !native_small) {
+    // x's and the weight's record after the GEMM's launch (which it does not
+    // delay); the gradient's is in LinearFn's backward. With PyTorch's
+    // autograd (native_small) record_in_backward places them. Without recording
+    // nothing is updated.
+    const AmaxRecord recs[2] = {{&x2d, &state[1], &state[0], kE4M3}, {&wd, &state[3], &state[2], kE4M3}};
+    amax_record_launch(recs, 2, (int)algo, mdiv);
   }
   if (x.dim() == 2) return out;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
