@@ -10,16 +10,17 @@
 // Algorithm choice (TORCH_OPS_GEMM_AUTOTUNE, read once; default "1"): on the
 // first call of a plan key we ask cuBLASLt for up to kMaxCandidates heuristic
 // algorithms and time each on the call's own operands (output written into the
-// call's `out`, which the real GEMM then overwrites), keeping the fastest.
-// "0" keeps the heuristic's top-1 (what torch._scaled_mm does). A first call
-// made while the current stream is capturing a CUDA graph never times (no
-// synchronization during capture): it uses the top-1 and the plan is tuned on
-// the next call outside capture. TORCH_OPS_GEMM_AUTOTUNE_LOG=1 prints one line
-// per tuned plan to stderr.
+// call's `out`, which the real GEMM then overwrites), keeping the fastest;
+// with TORCH_OPS_GEMM_VARIANTS (default "1") also variants of the top-1 and of
+// the fastest candidate (CTA swizzling, custom options, cluster shapes:
+// variants_of). "0" keeps the heuristic's top-1 (what torch._scaled_mm does).
+// A first call made while the current stream is capturing a CUDA graph never
+// times (no synchronization during capture): it uses the top-1 and the plan
+// is tuned on the next call outside capture. TORCH_OPS_GEMM_AUTOTUNE_LOG=1
+// prints one line per tuned plan to stderr.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -64,6 +65,13 @@ bool autotune_enabled() {
 
 bool autotune_log() {
   static const bool on = env_flag("TORCH_OPS_GEMM_AUTOTUNE_LOG", false);
+  return on;
+}
+
+// Whether autotuning also times variants of the heuristic's configurations
+// (variants_of; TORCH_OPS_GEMM_VARIANTS, read once; default on).
+bool variants_enabled() {
+  static const bool on = env_flag("TORCH_OPS_GEMM_VARIANTS", true);
   return on;
 }
 
@@ -253,6 +261,55 @@ int algo_attr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribut
   return (int)v;
 }
 
+uint16_t cluster_attr(const cublasLtMatmulAlgo_t& algo) {
+  uint16_t v = 0;
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &v, sizeof(v), &written) !=
+      CUBLAS_STATUS_SUCCESS)
+    return 0xffff;
+  return v;
+}
+
+// Variants of `base` (the same kernel family): CTA swizzling toggled, each
+// custom option, a few cluster shapes; kept where cublasLtMatmulAlgoCheck
+// accepts them for these descriptors within our workspace. The heuristic
+// returns 8 configurations for our FP8 shapes on the H200 (session 8); these
+// are the knobs it leaves at one value.
+std::vector<cublasLtMatmulAlgo_t> variants_of(cublasLtHandle_t h, const Descs& ds, const cublasLtMatmulAlgo_t& base) {
+  std::vector<cublasLtMatmulAlgo_t> out;
+  auto keep_if_valid = [&](const cublasLtMatmulAlgo_t& a) {
+    cublasLtMatmulHeuristicResult_t r{};
+    if (cublasLtMatmulAlgoCheck(h, ds.op, ds.a, ds.b, ds.d, ds.d, &a, &r) == CUBLAS_STATUS_SUCCESS &&
+        r.state == CUBLAS_STATUS_SUCCESS && r.workspaceSize <= kWorkspaceBytes)
+      out.push_back(a);
+  };
+  auto with = [&](cublasLtMatmulAlgoConfigAttributes_t attr, const void* v, size_t size) {
+    cublasLtMatmulAlgo_t a = base;
+    if (cublasLtMatmulAlgoConfigSetAttribute(&a, attr, v, size) == CUBLAS_STATUS_SUCCESS) keep_if_valid(a);
+  };
+  size_t written = 0;
+  uint32_t swizzle_ok = 0;
+  const int swizzle = algo_attr(base, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING);
+  if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swizzle_ok,
+                                        sizeof(swizzle_ok), &written) == CUBLAS_STATUS_SUCCESS &&
+      swizzle_ok && swizzle >= 0) {
+    const uint32_t v = swizzle ? 0u : 1u;
+    with(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &v, sizeof(v));
+  }
+  int32_t custom_max = 0;
+  const int custom = algo_attr(base, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION);
+  if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max, sizeof(custom_max),
+                                        &written) == CUBLAS_STATUS_SUCCESS)
+    for (uint32_t v = 0; v <= (uint32_t)std::min(custom_max, 7); ++v)
+      if ((int)v != custom) with(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &v, sizeof(v));
+  const uint16_t cluster = cluster_attr(base);
+  for (uint16_t v : {(uint16_t)CUBLASLT_CLUSTER_SHAPE_1x1x1, (uint16_t)CUBLASLT_CLUSTER_SHAPE_2x1x1,
+                     (uint16_t)CUBLASLT_CLUSTER_SHAPE_1x2x1, (uint16_t)CUBLASLT_CLUSTER_SHAPE_2x2x1,
+                     (uint16_t)CUBLASLT_CLUSTER_SHAPE_4x1x1, (uint16_t)CUBLASLT_CLUSTER_SHAPE_1x4x1})
+    if (v != cluster) with(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &v, sizeof(v));
+  return out;
+}
+
 // Times the plan's candidates on this call's operands (D = the call's out) and
 // keeps the fastest in p.algo. Two rounds: every candidate once (1 warm-up, 3
 // timed), then the 4 fastest plus the top-1, interleaved, 3 x 2 timed runs
@@ -262,9 +319,9 @@ int algo_attr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribut
 void tune_plan(Plan& p, cublasLtHandle_t h, const void* A, const void* B, void* D, void* ws, cudaStream_t stream,
                long long M, long long N, long long K) {
   p.tuned = true;  // whatever happens below, tune once
-  const std::vector<cublasLtMatmulAlgo_t>& c = p.ds->candidates;
-  const int n = (int)c.size();
-  if (n <= 1) return;
+  std::vector<cublasLtMatmulAlgo_t> c = p.ds->candidates;
+  const int n_heuristic = (int)c.size();
+  if (n_heuristic <= 1 && !variants_enabled()) return;
   RelaxedCaptureMode relaxed;
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) {
@@ -272,8 +329,22 @@ void tune_plan(Plan& p, cublasLtHandle_t h, const void* A, const void* B, void* 
     if (e0) cudaEventDestroy(e0);
     return;
   }
-  std::vector<float> t1(n, -1.0f);
-  for (int i = 0; i < n; ++i) t1[i] = time_algo(h, *p.ds, c[i], A, B, D, ws, stream, e0, e1, 1, 3);
+  std::vector<float> t1(n_heuristic, -1.0f);
+  for (int i = 0; i < n_heuristic; ++i) t1[i] = time_algo(h, *p.ds, c[i], A, B, D, ws, stream, e0, e1, 1, 3);
+  if (variants_enabled()) {
+    // Variants of the top-1 and of the fastest heuristic candidate.
+    int fastest = 0;
+    for (int i = 1; i < n_heuristic; ++i)
+      if (t1[i] >= 0 && (t1[fastest] < 0 || t1[i] < t1[fastest])) fastest = i;
+    std::vector<int> bases = {0};
+    if (fastest != 0) bases.push_back(fastest);
+    for (int base : bases)
+      for (const auto& v : variants_of(h, *p.ds, c[base])) {
+        c.push_back(v);
+        t1.push_back(time_algo(h, *p.ds, v, A, B, D, ws, stream, e0, e1, 1, 3));
+      }
+  }
+  const int n = (int)c.size();
   std::vector<int> fin;
   if (t1[0] >= 0) fin.push_back(0);
   {
@@ -300,12 +371,15 @@ void tune_plan(Plan& p, cublasLtHandle_t h, const void* A, const void* B, void* 
   p.algo = c[best];
   if (autotune_log()) {
     std::fprintf(stderr,
-                 "torch_ops gemm autotune: M=%lld N=%lld K=%lld: %d candidates, top-1 %.4f ms, chosen #%d %.4f ms "
-                 "(%.1f%%; algo id %d tile %d stages %d split-k %d)\n",
-                 M, N, K, n, t2[0], best, t2[best], t2[0] > 0 ? 100.0 * (t2[0] / t2[best] - 1.0) : 0.0,
+                 "torch_ops gemm autotune: M=%lld N=%lld K=%lld: %d candidates (%d heuristic), top-1 %.4f ms, "
+                 "chosen #%d %.4f ms (%.1f%%; algo id %d tile %d stages %d split-k %d swizzle %d custom %d "
+                 "cluster %d)\n",
+                 M, N, K, n, n_heuristic, t2[0], best, t2[best], t2[0] > 0 ? 100.0 * (t2[0] / t2[best] - 1.0) : 0.0,
                  algo_attr(c[best], CUBLASLT_ALGO_CONFIG_ID), algo_attr(c[best], CUBLASLT_ALGO_CONFIG_TILE_ID),
                  algo_attr(c[best], CUBLASLT_ALGO_CONFIG_STAGES_ID),
-                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_SPLITK_NUM));
+                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION), (int)cluster_attr(c[best]));
   }
 }
 
@@ -334,7 +408,7 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
   const cudaDataType_t ta = fp8_type(b_in, "b"), tb = fp8_type(a_in, "a");
   TORCH_CHECK(!(ta == CUDA_R_8F_E5M2 && tb == CUDA_R_8F_E5M2), "a, b: E5M2 x E5M2 is not supported by cuBLASLt");
   const cudaDataType_t td = out_type(od);
-  const at::cuda::CUDAGuard guard(a_in.device());
+  const DeviceScope device_scope(a_in);
 
   const long long M = a_in.size(0), N = b_in.size(0), K = a_in.size(1);
   c10::optional<at::Tensor> bias;
