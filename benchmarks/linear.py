@@ -12,7 +12,9 @@ Each variant is timed three ways, all side by side:
   taken in --rounds interleaved rounds (every variant runs its share of the
   calls in turn, so drifts of the GPU's clocks and power fall on all alike;
   one variant after the other, two runs of the same code differed by up to
-  17%). Host time before the first kernel counts in full.
+  17%). Host time before the first kernel counts in full. At the small
+  (host-bound) shapes the variants alternate call by call, --small-iters
+  rounds of one call each.
 - back-to-back: 5 calls per sample (20 at the small shapes) and one
   synchronization, so the host queues ahead as in a training loop: a sample
   is max(host, GPU) time per call.
@@ -183,6 +185,11 @@ def run_shape(M, K, N, iters, use_torchao, rounds=5):
         variants["torch_ops.fp8_linear, default, Python path (no C++ fast path)"] = (
             "ours_py", _with_attr(_lin, "FAST_PATH", False, fwd_bwd(OursLinear(lin), x, gy)))
     per_round = max(1, iters // rounds)
+    if small:
+        # Host-bound steps: the variants alternate call by call (a round is one
+        # call of each, in a shuffled order): with runs of calls per variant,
+        # two identical variants differed by up to 20% (session 8, call 1).
+        rounds, per_round = iters, 1
     medians = interleaved_median_ms({name: fn for name, (_, fn) in variants.items()}, rounds, per_round)
     # (name, ms, the bf16 time of the same timing method: None for notes)
     rows = [(name, medians[name], "bf16") for name in variants] + [(n, None, None) for n, _ in notes]
@@ -193,8 +200,12 @@ def run_shape(M, K, N, iters, use_torchao, rounds=5):
     # max(host, GPU) time per call, without the host latency before the
     # first kernel that the synchronized timing above adds to every call.
     calls = 20 if small else 5
-    b2b = interleaved_median_ms({name: fn for name, (_, fn) in variants.items()}, rounds,
-                                max(1, per_round // calls), warmup=1, calls=calls)
+    if small:
+        b2b_rounds, b2b_per_round = max(1, iters // calls), 1
+    else:
+        b2b_rounds, b2b_per_round = rounds, max(1, per_round // calls)
+    b2b = interleaved_median_ms({name: fn for name, (_, fn) in variants.items()}, b2b_rounds, b2b_per_round,
+                                warmup=1, calls=calls)
     for name, (key, _) in variants.items():
         t[f"{key}_b2b"] = b2b[name]
         rows.append((f"{name}, back-to-back ({calls} calls per sample)", b2b[name], "bf16_b2b"))
@@ -220,7 +231,7 @@ def main(argv=None):
     p.add_argument("--shapes", default=None)
     p.add_argument("--iters", type=int, default=30, help="timed iterations per variant (split over --rounds)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--small-iters", type=int, default=200,
+    p.add_argument("--small-iters", type=int, default=2000,
                    help="--iters for shapes below the default min_gemm_size (host-bound, noisier)")
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--torchao-shapes", default="large", help="'large' (the 3 target shapes), 'all' or 'none'")

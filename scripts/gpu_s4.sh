@@ -36,7 +36,7 @@ if has linear; then
   sed -n '/### summary/,$p' "$OUT/linear.txt" | tee -a "$LOG"
 fi
 if has host; then
-  step host 120 python3 benchmarks/host_overhead.py --shape ${HOST_SHAPES:-4096x1024x1024,1024x2048x1024} --iters 3000
+  step host ${HOST_LIMIT:-120} python3 benchmarks/host_overhead.py --shape ${HOST_SHAPES:-4096x1024x1024,1024x2048x1024} --iters 3000 ${HOST_ARGS:-}
   grep -E "^\||^###" "$OUT/host.txt" | tee -a "$LOG"
 fi
 if has profile; then

@@ -293,6 +293,46 @@ class LinearFastPathTest(parameterized.TestCase):
         self.assertEqual(st.input_amax_history[1].item(), x.float().abs().max().item())
         self.assertEqual(st.grad_amax_history[1].item(), 0.0)
 
+    @parameterized.parameters(False, True)
+    def test_small_path_keeps_state_like_fp8_path_native(self, graph):
+        """The small path on PyTorch's autograd (no bias) leaves the state of
+        the FP8 path (bit-identical), eagerly and replayed from a CUDA graph;
+        a gradient with inf records nothing in the gradient's history."""
+        M, K, N = 96, 64, 48
+        x, w, _, gy = make(M, K, N, bias=False, seed=3)
+        g_inf = gy.clone()
+        g_inf[5, 7] = float("inf")
+        grads = [gy, g_inf, 2 * gy]
+        st_ref = torch_ops.FP8LinearState.create(8, device=DEV)
+        for g in grads:
+            run(torch_ops.fp8_linear, x, w, None, g, st_ref, min_gemm_size=0)
+        st = torch_ops.FP8LinearState.create(8, device=DEV)
+        if not graph:
+            for g in grads:
+                out = run(torch_ops.fp8_linear, x, w, None, g, st, min_gemm_size=1 << 40)
+            self.assertLess(relerr(out[0], x.float() @ w.t()), 0.05)
+        else:
+            sx = x.clone().requires_grad_()
+            sw = w.clone().requires_grad_()
+            sg = gy.clone()
+            warm = torch_ops.FP8LinearState.create(8, device=DEV)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    torch_ops.fp8_linear(sx, sw, state=warm, min_gemm_size=1 << 40).backward(sg)
+            torch.cuda.current_stream().wait_stream(s)
+            sx.grad = sw.grad = None
+            cg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cg):
+                torch_ops.fp8_linear(sx, sw, state=st, min_gemm_size=1 << 40).backward(sg)
+            for g in grads:
+                sg.copy_(g)
+                cg.replay()
+            torch.cuda.synchronize()
+        for u, v in zip(st.tensors(), st_ref.tensors()):
+            self.assertTrue(torch.equal(u, v))
+
     def test_wrong_inputs_fast_path(self):
         st = torch_ops.FP8LinearState.create(4, device=DEV)
         x = torch.randn(4, 8, device=DEV)
