@@ -333,6 +333,31 @@ class LinearFastPathTest(parameterized.TestCase):
         for u, v in zip(st.tensors(), st_ref.tensors()):
             self.assertTrue(torch.equal(u, v))
 
+    @parameterized.product(mkn=[(4096, 1024, 1024), (999, 1031, 24)],
+                           dtype=[torch.bfloat16, torch.float16, torch.float32])
+    def test_small_path_amax_large_and_ragged(self, mkn, dtype):
+        """The small path's state record (one launch, 16-byte loads four at a
+        time, then element by element) finds a single outlier anywhere: at the
+        end of x (the element-wise tail where K is odd), in the middle of the
+        gradient, in the weight; its state equals the FP8 path's."""
+        M, K, N = mkn
+        x, w, _, gy = make(M, K, N, dtype=dtype, bias=False, seed=5)
+        x.view(-1)[-1] = 7.5
+        gy.view(-1)[(M * N) // 2 + 3] = -3.0
+        w.view(-1)[K + 1] = 2.25
+        sts = []
+        for mgs in (1 << 40, 0):
+            st = torch_ops.FP8LinearState.create(8, device=DEV)
+            for _ in range(2):
+                run(torch_ops.fp8_linear, x, w, None, gy, st, min_gemm_size=mgs)
+            sts.append(st)
+        small = sts[0]
+        self.assertEqual(small.input_amax_history[0].item(), 7.5)
+        self.assertEqual(small.grad_amax_history[0].item(), 3.0)
+        self.assertEqual(small.kernel_amax_history[0].item(), 2.25)
+        for u, v in zip(small.tensors(), sts[1].tensors()):
+            self.assertTrue(torch.equal(u, v))
+
     def test_wrong_inputs_fast_path(self):
         st = torch_ops.FP8LinearState.create(4, device=DEV)
         x = torch.randn(4, 8, device=DEV)
