@@ -1,0 +1,83 @@
+"""Why benchmarks/linear.py and benchmarks/host_overhead.py disagree at the
+small shapes (a device-run diagnostic): the same forward+backward steps,
+called as a module (linear.py's OursLinear) and as a plain function
+(host_overhead.py), each timed both ways in one alternating loop: host wall
+time around the call and a synchronize, and CUDA events around the call.
+
+    python scripts/small_timing_probe.py [--shape 4096x1024x1024] [--iters 1500]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_ops  # noqa: E402
+from benchmarks.linear import OursLinear  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="4096x1024x1024")
+    p.add_argument("--iters", type=int, default=1500)
+    a = p.parse_args()
+    M, K, N = (int(v) for v in a.shape.split("x"))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    st = torch_ops.FP8LinearState.create(1024, device="cuda")
+    st_off = torch_ops.FP8LinearState.create(1024, device="cuda")
+    w = lin.weight
+    ours, ours_off = OursLinear(lin), OursLinear(lin, record=False)
+
+    def step(fn):
+        def call():
+            x.grad = None
+            w.grad = None
+            fn().backward(gy)
+        return call
+
+    fns = {
+        "nn.Linear (module)": step(lambda: lin(x)),
+        "OursLinear default (module, as linear.py)": step(lambda: ours(x)),
+        "OursLinear training=False (module)": step(lambda: ours_off(x)),
+        "fp8_linear default (function, as host_overhead.py)": step(lambda: torch_ops.fp8_linear(x, w, state=st)),
+        "fp8_linear training=False (function)": step(
+            lambda: torch_ops.fp8_linear(x, w, state=st_off, training=False)),
+    }
+    for fn in fns.values():
+        for _ in range(30):
+            fn()
+    torch.cuda.synchronize()
+    wall = {k: [] for k in fns}
+    ev = {k: [] for k in fns}
+    for i in range(a.iters):
+        for name, fn in fns.items():
+            if i % 2:
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                wall[name].append((time.perf_counter() - t0) * 1e6)
+            else:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn()
+                e1.record()
+                e1.synchronize()
+                ev[name].append(e0.elapsed_time(e1) * 1e3)
+    base_w = statistics.median(wall["nn.Linear (module)"])
+    base_e = statistics.median(ev["nn.Linear (module)"])
+    print(f"### {a.shape}: median us per step (wall: perf_counter + synchronize; events: CUDA events)")
+    print("| variant | wall us | minus nn.Linear | events us | minus nn.Linear |\n|---|---|---|---|---|")
+    for name in fns:
+        mw, me = statistics.median(wall[name]), statistics.median(ev[name])
+        print(f"| {name} | {mw:.1f} | {mw - base_w:+.1f} | {me:.1f} | {me - base_e:+.1f} |")
+
+
+if __name__ == "__main__":
+    main()
