@@ -50,16 +50,32 @@ def alternate_us(fns, iters, warmup=50):
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def make_inputs(M, K, N, device):
+    """(nn.Linear without bias, x requiring grad, output gradient), bf16, seeded."""
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    lin = torch.nn.Linear(K, N, bias=False, device=device, dtype=dt)
+    x = torch.randn(M, K, device=device, dtype=dt, requires_grad=True)
+    gy = torch.randn(M, N, device=device, dtype=dt)
+    return lin, x, gy
+
+
+def fwd_bwd_step(fn, x, w, gy):
+    """One training step of `fn()` (forward) and its backward with `gy`,
+    the gradients of x and w cleared first."""
+    def call():
+        x.grad = None
+        w.grad = None
+        fn().backward(gy)
+    return call
+
+
 def variants(M, K, N, device):
     """(forward-only variants, forward+backward variants) as dicts of callables."""
     from torch_ops import linear as lin_mod
 
-    torch.manual_seed(0)
-    dt = torch.bfloat16
-    lin = torch.nn.Linear(K, N, bias=False, device=device, dtype=dt)
+    lin, x, gy = make_inputs(M, K, N, device)
     w = lin.weight
-    x = torch.randn(M, K, device=device, dtype=dt, requires_grad=True)
-    gy = torch.randn(M, N, device=device, dtype=dt)
     st = torch_ops.FP8LinearState.create(1024, device=device)
     st_off = torch_ops.FP8LinearState.create(1024, device=device)
     ext = lin_mod._ext() if device == "cuda" else None
@@ -81,11 +97,7 @@ def variants(M, K, N, device):
             lambda: ext.linear(x, w, None, ts, *args, False, None, lin_mod._gemm_limit(None)))
 
     def step(fn):
-        def call():
-            x.grad = None
-            w.grad = None
-            fn().backward(gy)
-        return call
+        return fwd_bwd_step(fn, x, w, gy)
 
     fwd_bwd = {
         "nn.Linear": step(lambda: lin(x)),

@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_ops  # noqa: E402
+from benchmarks.host_overhead import fwd_bwd_step, make_inputs  # noqa: E402
 from benchmarks.linear import OursLinear  # noqa: E402
 
 
@@ -26,21 +27,14 @@ def main():
     p.add_argument("--iters", type=int, default=1500)
     a = p.parse_args()
     M, K, N = (int(v) for v in a.shape.split("x"))
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    lin, x, gy = make_inputs(M, K, N, "cuda")
     st = torch_ops.FP8LinearState.create(1024, device="cuda")
     st_off = torch_ops.FP8LinearState.create(1024, device="cuda")
     w = lin.weight
     ours, ours_off = OursLinear(lin), OursLinear(lin, record=False)
 
     def step(fn):
-        def call():
-            x.grad = None
-            w.grad = None
-            fn().backward(gy)
-        return call
+        return fwd_bwd_step(fn, x, w, gy)
 
     fns = {
         "nn.Linear (module)": step(lambda: lin(x)),
