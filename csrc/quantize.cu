@@ -336,6 +336,24 @@ __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem
   }
 }
 
+// Programmatic dependent launch (sm_90 and later): the delayed pre-pass lets
+// the lean quantize kernel launched after it start at once; that kernel
+// issues its first loads (x is complete: the pre-pass, launched normally,
+// started after x's producer finished) and waits for the pre-pass's grid
+// to complete and its writes to be visible before it reads scale_used.
+// Both instructions do nothing where the launch did not ask for it.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // Pre-pass: amax only, then scale_used = compute_scale(amax, prev).
 // Delayed mode: every block first checks whether the history is empty
@@ -346,6 +364,7 @@ __global__ void __launch_bounds__(kThreads) amax_prepass_kernel(
     const T* __restrict__ x, long long n, bool vec, const float* history, long long H, bool delayed,
     const float* prev_scale, float* scale_used, unsigned* ws, float fmax, float mdiv) {
   __shared__ unsigned smem[kRedWords];
+  pdl_launch_dependents();
   if (delayed) {
     unsigned m = 0u;
     for (long long i = threadIdx.x; i < H; i += blockDim.x) m = max(m, abs_bits(history[i]) ? 1u : 0u);
@@ -792,6 +811,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
                                                                  Finalize f) {
   static_assert(sizeof(T) == 2, "quant_lean_kernel: 16-bit inputs");
   __shared__ unsigned smem[kRedWords];
+  pdl_wait();  // launched early after a pre-pass: its scale_used first
   const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
   const int lane = threadIdx.x & 31;
   const int lv = lane & 7, gq = lane >> 3;
@@ -843,6 +863,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_f32_kernel(const float
                                                                      uint8_t* __restrict__ q,
                                                                      uint8_t* __restrict__ qt, Finalize f) {
   __shared__ unsigned smem[kRedWords];
+  pdl_wait();  // launched early after a pre-pass: its scale_used first
   const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
   const int lane = threadIdx.x & 31;
   const int lv = lane & 7, gq = lane >> 3;
@@ -1000,6 +1021,47 @@ int tile_rows() {
   return tr;
 }
 
+// Whether the lean kernels may start early after the delayed pre-pass
+// (programmatic dependent launch: compute capability 9.0 or later;
+// TORCH_OPS_PDL=0 turns it off, read once). Per device, cached.
+bool pdl_enabled(int device) {
+  static const bool allowed = [] {
+    const char* e = std::getenv("TORCH_OPS_PDL");
+    return !(e && std::string(e) == "0");
+  }();
+  static std::atomic<int> major[64];  // 0: not looked up yet
+  if (!allowed || device < 0 || device >= 64) return false;
+  int m = major[device].load(std::memory_order_relaxed);
+  if (m == 0) {
+    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
+    major[device].store(m, std::memory_order_relaxed);
+  }
+  return m >= 9;
+}
+
+// `kernel<<<blocks, kThreads, 0, stream>>>(args...)`, with the programmatic
+// stream serialization attribute where `early` (the kernel must call
+// pdl_wait before it reads what the previous kernel wrote).
+template <typename... Params, typename... Args>
+void launch_maybe_early(void (*kernel)(Params...), unsigned blocks, cudaStream_t stream, bool early,
+                        Args... args) {
+  if (!early) {
+    kernel<<<blocks, kThreads, 0, stream>>>(args...);
+    return;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  TORCH_OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
 // Transposing tile kernel: 5 (default: quant_lean_kernel where it applies,
 // else as 3), 3 (quant_tile3_kernel where the input is 16-bit with 8-column
 // vector access, else quant_tile2_kernel), 4 (the same, tiles down the
@@ -1126,7 +1188,8 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   const bool vec = (C % 8 == 0) && ((reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0);
 
   const bool fused_seed = scale_mode != 0 && !q.defined() && !qt.defined();
-  if (scale_mode != 0 && !fused_seed) {
+  const bool prepass = scale_mode != 0 && !fused_seed;
+  if (prepass) {
     // Delayed scaling with a non-empty history (every call after the first):
     // each block only reads the history and exits, so keep the grid small.
     long long blocks = (n / 8 + kThreads - 1) / kThreads;
@@ -1185,12 +1248,14 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
         const unsigned tiles_c = (unsigned)(C / 64), ntiles = (unsigned)((R / 64) * (C / 64));
         // Two tiles per warp: blocks are scheduled as SMs free up, so the tail stays short.
         const unsigned nb = std::max(1u, (ntiles + 15u) / 16u);
+        // After a pre-pass, a programmatic dependent launch (pdl_wait).
+        const bool early = prepass && pdl_enabled(x.get_device());
         if constexpr (sizeof(T) == 2) {
           auto kernel = fmt == 1 ? quant_lean_kernel<T, true> : quant_lean_kernel<T, false>;
-          kernel<<<nb, kThreads, 0, stream>>>(xp, R, C, tiles_c, ntiles, qp, qtp, f);
+          launch_maybe_early(kernel, nb, stream, early, xp, R, C, tiles_c, ntiles, qp, qtp, f);
         } else {
           auto kernel = fmt == 1 ? quant_lean_f32_kernel<true> : quant_lean_f32_kernel<false>;
-          kernel<<<nb, kThreads, 0, stream>>>(xp, R, C, tiles_c, ntiles, qp, qtp, f);
+          launch_maybe_early(kernel, nb, stream, early, xp, R, C, tiles_c, ntiles, qp, qtp, f);
         }
         return;
       }

@@ -234,6 +234,46 @@ class QuantizeKernelTest(parameterized.TestCase):
         _, _, su, _ = torch_ops.quantize_delayed(x, h, s, E4M3, record=False)
         self.assertEqual(su.item(), 3.0)
 
+    @parameterized.product(in_dtype=[torch.bfloat16, torch.float16, torch.float32], dt=[E4M3, E5M2],
+                           graph=[False, True])
+    def test_delayed_lean_after_prepass(self, in_dtype, dt, graph):
+        """Delayed scaling at a shape the lean kernel takes: it follows the
+        pre-pass (on sm_90 launched early, waiting for the pre-pass's
+        scale_used) and quantizes with that scale, from an empty history
+        (the seed) and after, eagerly and replayed from a CUDA graph."""
+        xs = [rand((2048, 4096), in_dtype, scale=10.0 * (k + 1), special=False, seed=40 + k) for k in range(3)]
+        h, s = torch.zeros(16, device=DEV), torch.ones((), device=DEV)
+        rh, rs = h.clone(), s.clone()
+        if graph:
+            xbuf = xs[0].clone()
+            hw, sw = h.clone(), s.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    torch_ops.quantize_delayed(xbuf, hw, sw, dt, transpose=True)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = torch_ops.quantize_delayed(xbuf, h, s, dt, transpose=True)
+            self.assertEqual(float(h.abs().max()), 0.0)  # capture ran nothing
+        for x in xs:
+            poison()
+            if graph:
+                xbuf.copy_(x)
+                g.replay()
+                q, qt, su, a = out
+            else:
+                q, qt, su, a = torch_ops.quantize_delayed(x, h, s, dt, transpose=True)
+            rq, rqt, rsu, ra = emu.quantize_delayed(x, rh, rs, dt, transpose=True)
+            torch.cuda.synchronize()
+            assert_same_f32(su, rsu)
+            assert_same_f32(a, ra)
+            assert_same_fp8(q, rq)
+            assert_same_fp8(qt, rqt)
+            assert_same_f32(h, rh)
+            assert_same_f32(s, rs)
+
     @parameterized.product(shape=[(1, 16), (4095, 4097), (256, 512)], dt=[E4M3, E5M2], prev=[False, True])
     def test_current_matches_emulation(self, shape, dt, prev):
         x = rand(shape, torch.bfloat16, special=False)
