@@ -62,7 +62,9 @@ def main(argv=None):
     def delayed_t32():
         return torch_ops.quantize_delayed(x32, hist32, scale32, e4, transpose=True)
 
-    # (name, fn, bytes, transposing kernel version or None)
+    # (name, fn, bytes, setup): setup is the transposing kernel version (None:
+    # the default), or (version, tiles per warp, L2 prefetch, programmatic
+    # launch) for the lean kernel's options (set_lean_options).
     variants = [
         ("device copy (x.clone())", lambda: x.clone(), 2 * n * 2, None),
         ("eager torch: amax + scale + cast + transpose", eager, 2 * n + n + n, None),
@@ -74,8 +76,16 @@ def main(argv=None):
         ("ours: the same, tile kernel v3 (cp.async double buffer)", delayed_t, 2 * n + 2 * n, 3),
         ("ours: the same, tile kernel v4 (v3, tiles down the column bands first)", delayed_t, 2 * n + 2 * n, 4),
         ("ours: the same, tile kernel v5 (lean: registers only, a 64x64 tile per warp)", delayed_t, 2 * n + 2 * n, 5),
+        ("ours: v5, no programmatic launch after the pre-pass", delayed_t, 2 * n + 2 * n, (5, 2, 0, 0)),
+        ("ours: v5, L2 prefetch of each warp's next tile", delayed_t, 2 * n + 2 * n, (5, 2, 1, -1)),
+        ("ours: v5, one resident wave of blocks", delayed_t, 2 * n + 2 * n, (5, 0, 0, -1)),
+        ("ours: v5, one resident wave, L2 prefetch", delayed_t, 2 * n + 2 * n, (5, 0, 1, -1)),
+        ("ours: v5, 4 tiles per warp, L2 prefetch", delayed_t, 2 * n + 2 * n, (5, 4, 1, -1)),
+        ("ours: v5, given scale, L2 prefetch", lambda: torch_ops.quantize(x, s_fixed, e4, transpose=True),
+         2 * n + 2 * n, (5, 2, 1, -1)),
         ("ours: float32 x (a master weight), q + q_t, tile kernel v2 (before v5)", delayed_t32, 4 * n + 2 * n, 2),
         ("ours: float32 x (a master weight), q + q_t, tile kernel v5 (lean)", delayed_t32, 4 * n + 2 * n, 5),
+        ("ours: float32 x, v5, no programmatic launch after the pre-pass", delayed_t32, 4 * n + 2 * n, (5, 2, 0, 0)),
         ("ours: quantize_delayed, q + amax + history (no transpose)",
          lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n, None),
         ("ours: amax + history only (no fp8 output)",
@@ -91,13 +101,16 @@ def main(argv=None):
     print("\nGPU time from CUDA-graph replay (10 calls per graph); 'eager us' adds the host-side launch path.\n")
     print("| variant | us (graph) | bytes (min) | TB/s | eager us |")
     print("|---|---|---|---|---|")
-    for name, fn, nbytes, version in variants:
+    for name, fn, nbytes, setup in variants:
+        version, *lean = setup if isinstance(setup, tuple) else (setup, 2, 0, -1)
         prev = ext.set_tile_version(version or 0)
+        prev_lean = ext.set_lean_options(*lean)
         try:
             ms = bench_graph(fn)
             ms_e = bench(fn, a.iters)
         finally:
             ext.set_tile_version(prev)
+            ext.set_lean_options(*prev_lean)
         print(f"| {name} | {ms * 1e3:.1f} | {nbytes / 1e6:.0f} MB | {nbytes / (ms * 1e-3) / 1e12:.2f} | {ms_e * 1e3:.1f} |")
 
 

@@ -19,10 +19,12 @@
 
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "common.h"
@@ -804,27 +806,46 @@ struct Pair<__half> {
 
 constexpr unsigned kAbs16x2 = 0x7fff7fffu;
 
-template <typename T, bool kE5M2>
+// L2 prefetch of a 64 x 64 16-bit tile (64 rows of 128 bytes): lane L
+// asks for rows L and L + 32. Used by the lean kernel for the warp's next
+// tile, so that DRAM keeps streaming while the warp converts and stores.
+template <typename T>
+__device__ __forceinline__ void prefetch_tile_l2(const T* x, long long C, unsigned tiles_c, unsigned t, int lane) {
+  const T* p = x + ((long long)(t / tiles_c) * 64 + lane) * C + (long long)(t % tiles_c) * 64;
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 32 * C));
+}
+
+template <typename T, bool kE5M2, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __restrict__ x, long long R, long long C,
                                                                  unsigned tiles_c, unsigned ntiles,
                                                                  uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
                                                                  Finalize f) {
   static_assert(sizeof(T) == 2, "quant_lean_kernel: 16-bit inputs");
   __shared__ unsigned smem[kRedWords];
-  pdl_wait();  // launched early after a pre-pass: its scale_used first
-  const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
   const int lane = threadIdx.x & 31;
   const int lv = lane & 7, gq = lane >> 3;
   const unsigned nwarps = gridDim.x * (kThreads / 32);
+  const long long row_vecs = C / 8;
   unsigned m2 = 0u;
+  float s = 0.0f;
+  bool waited = false;
   for (unsigned t = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); t < ntiles; t += nwarps) {
     const long long r0 = (long long)(t / tiles_c) * 64 + 16 * gq;  // this lane's first row
     const long long c0 = (long long)(t % tiles_c) * 64 + 8 * lv;   // and first column
     const uint4* src = reinterpret_cast<const uint4*>(x + r0 * C + c0);
-    const long long row_vecs = C / 8;
     uint4 in[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j) in[j] = __ldg(src + j * row_vecs);
+    if (kPrefetch && t + nwarps < ntiles) prefetch_tile_l2(x, C, tiles_c, t + nwarps, lane);
+    if (!waited) {
+      // x is complete before this kernel starts; only scale_used may still be
+      // in the making (a programmatic launch after the pre-pass): wait for it
+      // with the first tile's loads already in flight.
+      pdl_wait();
+      s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
+      waited = true;
+    }
     unsigned ot[8][4];
 #pragma unroll
     for (int jg = 0; jg < 4; ++jg) {
@@ -849,6 +870,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
     for (int i = 0; i < 8; ++i)
       *reinterpret_cast<uint4*>(qt + (c0 + i) * R + r0) = make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]);
   }
+  if (!waited) pdl_wait();  // a warp without a tile: the block's finish still comes after the pre-pass
   const unsigned bm = block_reduce_max(Pair<T>::amax_bits(m2), smem);
   block_done(bm, f, smem, gridDim.x);
 }
@@ -1023,14 +1045,22 @@ int tile_rows() {
 
 // Whether the lean kernels may start early after the delayed pre-pass
 // (programmatic dependent launch: compute capability 9.0 or later;
-// TORCH_OPS_PDL=0 turns it off, read once). Per device, cached.
-bool pdl_enabled(int device) {
-  static const bool allowed = [] {
+// TORCH_OPS_PDL=0 turns it off, read once; set_lean_options overrides it).
+// Per device, cached.
+int pdl_from_env() {
+  static const int v = [] {
     const char* e = std::getenv("TORCH_OPS_PDL");
-    return !(e && std::string(e) == "0");
+    return (e && std::string(e) == "0") ? 0 : 1;
   }();
+  return v;
+}
+std::atomic<int> g_lean_pdl{-1};  // -1: as TORCH_OPS_PDL says
+
+bool pdl_enabled(int device) {
+  int allowed = g_lean_pdl.load(std::memory_order_relaxed);
+  if (allowed < 0) allowed = pdl_from_env();
   static std::atomic<int> major[64];  // 0: not looked up yet
-  if (!allowed || device < 0 || device >= 64) return false;
+  if (allowed == 0 || device < 0 || device >= 64) return false;
   int m = major[device].load(std::memory_order_relaxed);
   if (m == 0) {
     TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
@@ -1070,6 +1100,30 @@ void launch_maybe_early(void (*kernel)(Params...), unsigned blocks, cudaStream_t
 // TORCH_OPS_QTILE_R=128 implies 1. Benchmarks and tests override it per
 // process with set_tile_version (bindings).
 std::atomic<int> g_tile_override{0};
+// The lean kernel's grid (tiles per warp; 0: one resident wave) and L2
+// prefetch of each warp's next tile. Defaults 2 and off; the environment
+// (TORCH_OPS_LEAN="tiles_per_warp,prefetch", read once) or set_lean_options
+// (benchmarks) choose others.
+std::pair<int, int> lean_from_env() {
+  static const std::pair<int, int> v = [] {
+    std::pair<int, int> d{2, 0};
+    const char* e = std::getenv("TORCH_OPS_LEAN");
+    int tpw = 0, pf = 0;
+    if (e && std::sscanf(e, "%d,%d", &tpw, &pf) == 2 && tpw >= 0 && tpw <= 1024) d = {tpw, pf ? 1 : 0};
+    return d;
+  }();
+  return v;
+}
+std::atomic<int> g_lean_tiles_per_warp{-1};  // -1: as the environment says
+std::atomic<int> g_lean_prefetch{-1};
+int lean_tiles_per_warp() {
+  const int v = g_lean_tiles_per_warp.load(std::memory_order_relaxed);
+  return v < 0 ? lean_from_env().first : v;
+}
+bool lean_prefetch() {
+  const int v = g_lean_prefetch.load(std::memory_order_relaxed);
+  return (v < 0 ? lean_from_env().second : v) != 0;
+}
 
 int tile_version() {
   const int o = g_tile_override.load(std::memory_order_relaxed);
@@ -1246,12 +1300,18 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
                         (reinterpret_cast<uintptr_t>(qp) & 7) == 0 && (R / 64) * (C / 64) < (1LL << 31);
       if (lean) {
         const unsigned tiles_c = (unsigned)(C / 64), ntiles = (unsigned)((R / 64) * (C / 64));
-        // Two tiles per warp: blocks are scheduled as SMs free up, so the tail stays short.
-        const unsigned nb = std::max(1u, (ntiles + 15u) / 16u);
+        // Two tiles per warp by default: blocks are scheduled as SMs free up,
+        // so the tail stays short (set_lean_options: other grids, for benchmarks).
+        const int tpw = lean_tiles_per_warp();
+        const unsigned per_block = (kThreads / 32) * (unsigned)std::max(tpw, 1);
+        unsigned nb = std::max(1u, (ntiles + per_block - 1u) / per_block);
+        if (tpw == 0) nb = std::min(nb, 2u * (unsigned)num_sms());  // persistent: one resident wave
+        const bool prefetch = lean_prefetch();
         // After a pre-pass, a programmatic dependent launch (pdl_wait).
         const bool early = prepass && pdl_enabled(x.get_device());
         if constexpr (sizeof(T) == 2) {
-          auto kernel = fmt == 1 ? quant_lean_kernel<T, true> : quant_lean_kernel<T, false>;
+          auto kernel = fmt == 1 ? (prefetch ? quant_lean_kernel<T, true, true> : quant_lean_kernel<T, true, false>)
+                                 : (prefetch ? quant_lean_kernel<T, false, true> : quant_lean_kernel<T, false, false>);
           launch_maybe_early(kernel, nb, stream, early, xp, R, C, tiles_c, ntiles, qp, qtp, f);
         } else {
           auto kernel = fmt == 1 ? quant_lean_f32_kernel<true> : quant_lean_f32_kernel<false>;
@@ -1302,6 +1362,15 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
 // version; checked in bindings.cpp). Returns the previous override. For
 // tests and benchmarks.
 int set_tile_version(int version) { return g_tile_override.exchange(version); }
+
+std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int prefetch, int pdl) {
+  // Arguments checked in bindings.cpp.
+  const int tpw_was = lean_tiles_per_warp(), prefetch_was = lean_prefetch() ? 1 : 0;
+  const int pdl_was = g_lean_pdl.exchange(pdl);
+  g_lean_tiles_per_warp.store(tiles_per_warp);
+  g_lean_prefetch.store(prefetch ? 1 : 0);
+  return {tpw_was, prefetch_was, pdl_was < 0 ? pdl_from_env() : pdl_was};
+}
 
 namespace {
 // Launches `Kernel` (a __global__ function of this file, no dynamic shared

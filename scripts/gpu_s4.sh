@@ -2,7 +2,8 @@
 # The fourth to sixth sessions' device calls (capped at $BUDGET s), by PHASES:
 #   build   python -m torch_ops build
 #   tests   tests/torch_ops + torch dispatch/saving/training tests (torch backend)
-#   qbench  benchmarks/quantize.py (tile kernels v2 and v3 side by side)
+#   qbench  benchmarks/quantize.py (tile kernels and the lean kernel's options side by side)
+#   leanpick  export TORCH_OPS_LEAN: qbench's fastest lean-kernel options, for the later phases
 #   linear  benchmarks/linear.py at all six shapes ($LINEAR_ARGS)
 #   profile benchmarks/profile_linear.py at $PROFILE_SHAPE ($PROFILE_ARGS)
 #   timeline profile_linear.py --timeline at the two small shapes (host + GPU time line of one step)
@@ -30,6 +31,23 @@ if has tests; then
 fi
 if has qbench; then
   step qbench 60 python3 benchmarks/quantize.py; grep "^|" "$OUT/qbench.txt" | tee -a "$LOG"
+fi
+if has leanpick; then
+  # The fastest delayed lean-kernel option of qbench's table, for the phases after this one.
+  TORCH_OPS_LEAN=$(python3 - "$OUT/qbench.txt" <<'PY'
+import re, sys
+rows = {"tile kernel v5 (lean": "2,0", "L2 prefetch of each": "2,1", "one resident wave of": "0,0",
+        "one resident wave, L2": "0,1", "4 tiles per warp, L2": "4,1"}
+best = ("2,0", float("inf"))
+for line in open(sys.argv[1]):
+    for key, opt in rows.items():
+        if key in line:
+            us = float(line.split("|")[2])
+            best = min(best, (opt, us), key=lambda b: b[1])
+print(best[0])
+PY
+)
+  export TORCH_OPS_LEAN; say "TORCH_OPS_LEAN=$TORCH_OPS_LEAN (fastest in qbench)"
 fi
 if has linear; then
   step linear ${LINEAR_LIMIT:-300} python3 benchmarks/linear.py ${LINEAR_ARGS:---iters 30 --rounds 5}

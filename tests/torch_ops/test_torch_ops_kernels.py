@@ -161,6 +161,39 @@ class QuantizeKernelTest(parameterized.TestCase):
         assert_same_f32(amax, ramax)
         self.assertEqual(bool(torch.isfinite(amax)), not special)
 
+    @parameterized.product(
+        options=[(2, 1), (0, 0), (0, 1), (1, 1), (4, 1)],
+        shape=[(128, 192), (4160, 4096), (8192, 4096)],
+        in_dtype=[torch.bfloat16, torch.float16],
+        dt=[E4M3, E5M2],
+    )
+    def test_lean_kernel_options_equal_emulation(self, options, shape, in_dtype, dt):
+        """The lean kernel's grid and L2-prefetch options (set_lean_options:
+        tiles per warp, 0 = one resident wave; prefetch of the warp's next
+        tile) write the same bytes and amax; (4160, 4096) leaves the last
+        wave's warps with fewer tiles."""
+        ext = torch_ops._build.load()
+        x = rand(shape, in_dtype, special=False, seed=sum(options) + 7)
+        s = torch.tensor(0.173, device=DEV)
+        prev, prev_lean = ext.set_tile_version(5), ext.set_lean_options(*options, -1)
+        try:
+            poison()
+            q, qt, amax = torch.ops.torch_ops.quantize(x, s, dt, True, True, True)
+        finally:
+            ext.set_tile_version(prev)
+            ext.set_lean_options(*prev_lean)
+        rq, _, ramax = emu.quantize(x, s, dt)
+        assert_same_fp8(q, rq)
+        assert_same_fp8(qt, rq.t().contiguous())
+        assert_same_f32(amax, ramax)
+
+    def test_set_lean_options_names_bad_arguments(self):
+        ext = torch_ops._build.load()
+        with self.assertRaisesRegex(ValueError, "tiles_per_warp: expected 0"):
+            ext.set_lean_options(-1, 0, -1)
+        with self.assertRaisesRegex(ValueError, "pdl: expected -1"):
+            ext.set_lean_options(2, 0, 3)
+
     def test_set_tile_version_names_bad_version(self):
         with self.assertRaisesRegex(ValueError, "version: expected 0"):
             torch_ops._build.load().set_tile_version(7)
@@ -235,12 +268,21 @@ class QuantizeKernelTest(parameterized.TestCase):
         self.assertEqual(su.item(), 3.0)
 
     @parameterized.product(in_dtype=[torch.bfloat16, torch.float16, torch.float32], dt=[E4M3, E5M2],
-                           graph=[False, True])
-    def test_delayed_lean_after_prepass(self, in_dtype, dt, graph):
+                           graph=[False, True], pdl=[0, 1])
+    def test_delayed_lean_after_prepass(self, in_dtype, dt, graph, pdl):
         """Delayed scaling at a shape the lean kernel takes: it follows the
-        pre-pass (on sm_90 launched early, waiting for the pre-pass's
-        scale_used) and quantizes with that scale, from an empty history
-        (the seed) and after, eagerly and replayed from a CUDA graph."""
+        pre-pass (with pdl, on sm_90, launched early: its first loads go out
+        before it waits for the pre-pass's scale_used) and quantizes with that
+        scale, from an empty history (the seed) and after, eagerly and
+        replayed from a CUDA graph."""
+        ext = torch_ops._build.load()
+        prev_lean = ext.set_lean_options(2, 0, pdl)
+        try:
+            self._delayed_lean_after_prepass(in_dtype, dt, graph)
+        finally:
+            ext.set_lean_options(*prev_lean)
+
+    def _delayed_lean_after_prepass(self, in_dtype, dt, graph):
         xs = [rand((2048, 4096), in_dtype, scale=10.0 * (k + 1), special=False, seed=40 + k) for k in range(3)]
         h, s = torch.zeros(16, device=DEV), torch.ones((), device=DEV)
         rh, rs = h.clone(), s.clone()
