@@ -63,7 +63,7 @@ def main(argv=None):
         return torch_ops.quantize_delayed(x32, hist32, scale32, e4, transpose=True)
 
     # (name, fn, bytes, setup): setup is the transposing kernel version (None:
-    # the default), or (version, tiles per warp, L2 prefetch, programmatic
+    # the default), or (version, tiles per warp, cache hints, programmatic
     # launch) for the lean kernel's options (set_lean_options).
     variants = [
         ("device copy (x.clone())", lambda: x.clone(), 2 * n * 2, None),
@@ -77,12 +77,12 @@ def main(argv=None):
         ("ours: the same, tile kernel v4 (v3, tiles down the column bands first)", delayed_t, 2 * n + 2 * n, 4),
         ("ours: the same, tile kernel v5 (lean: registers only, a 64x64 tile per warp)", delayed_t, 2 * n + 2 * n, 5),
         ("ours: v5, no programmatic launch after the pre-pass", delayed_t, 2 * n + 2 * n, (5, 2, 0, 0)),
-        ("ours: v5, L2 prefetch of each warp's next tile", delayed_t, 2 * n + 2 * n, (5, 2, 1, -1)),
+        ("ours: v5, loads ask L2 for 256-byte sectors", delayed_t, 2 * n + 2 * n, (5, 2, 1, -1)),
+        ("ours: v5, streaming stores", delayed_t, 2 * n + 2 * n, (5, 2, 2, -1)),
+        ("ours: v5, 256-byte loads and streaming stores", delayed_t, 2 * n + 2 * n, (5, 2, 3, -1)),
+        ("ours: v5, 1 tile per warp", delayed_t, 2 * n + 2 * n, (5, 1, 0, -1)),
+        ("ours: v5, 3 tiles per warp", delayed_t, 2 * n + 2 * n, (5, 3, 0, -1)),
         ("ours: v5, one resident wave of blocks", delayed_t, 2 * n + 2 * n, (5, 0, 0, -1)),
-        ("ours: v5, one resident wave, L2 prefetch", delayed_t, 2 * n + 2 * n, (5, 0, 1, -1)),
-        ("ours: v5, 4 tiles per warp, L2 prefetch", delayed_t, 2 * n + 2 * n, (5, 4, 1, -1)),
-        ("ours: v5, given scale, L2 prefetch", lambda: torch_ops.quantize(x, s_fixed, e4, transpose=True),
-         2 * n + 2 * n, (5, 2, 1, -1)),
         ("ours: float32 x (a master weight), q + q_t, tile kernel v2 (before v5)", delayed_t32, 4 * n + 2 * n, 2),
         ("ours: float32 x (a master weight), q + q_t, tile kernel v5 (lean)", delayed_t32, 4 * n + 2 * n, 5),
         ("ours: float32 x, v5, no programmatic launch after the pre-pass", delayed_t32, 4 * n + 2 * n, (5, 2, 0, 0)),

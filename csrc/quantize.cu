@@ -806,17 +806,32 @@ struct Pair<__half> {
 
 constexpr unsigned kAbs16x2 = 0x7fff7fffu;
 
-// L2 prefetch of a 64 x 64 16-bit tile (64 rows of 128 bytes): lane L
-// asks for rows L and L + 32. Used by the lean kernel for the warp's next
-// tile, so that DRAM keeps streaming while the warp converts and stores.
-template <typename T>
-__device__ __forceinline__ void prefetch_tile_l2(const T* x, long long C, unsigned tiles_c, unsigned t, int lane) {
-  const T* p = x + ((long long)(t / tiles_c) * 64 + lane) * C + (long long)(t % tiles_c) * 64;
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p + 32 * C));
+// The lean kernel's memory instructions by cache hint (kMem, a bit set):
+// 1 = loads skip L1 and ask L2 for 256-byte sectors (each tile row's 128
+// bytes and the next tile's), 2 = streaming (evict-first) stores. 0: plain.
+template <int kMem>
+__device__ __forceinline__ uint4 lean_load(const uint4* p) {
+  if constexpr ((kMem & 1) != 0) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+  } else {
+    return __ldg(p);
+  }
 }
 
-template <typename T, bool kE5M2, bool kPrefetch>
+template <int kMem, typename V>
+__device__ __forceinline__ void lean_store(V* p, V v) {
+  if constexpr ((kMem & 2) != 0) {
+    __stcs(p, v);
+  } else {
+    *p = v;
+  }
+}
+
+template <typename T, bool kE5M2, int kMem>
 __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __restrict__ x, long long R, long long C,
                                                                  unsigned tiles_c, unsigned ntiles,
                                                                  uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
@@ -836,8 +851,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
     const uint4* src = reinterpret_cast<const uint4*>(x + r0 * C + c0);
     uint4 in[16];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) in[j] = __ldg(src + j * row_vecs);
-    if (kPrefetch && t + nwarps < ntiles) prefetch_tile_l2(x, C, tiles_c, t + nwarps, lane);
+    for (int j = 0; j < 16; ++j) in[j] = lean_load<kMem>(src + j * row_vecs);
     if (!waited) {
       // x is complete before this kernel starts; only scale_used may still be
       // in the making (a programmatic launch after the pre-pass): wait for it
@@ -858,7 +872,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
         const float2 a = Pair<T>::f32(v.x), b = Pair<T>::f32(v.y), c = Pair<T>::f32(v.z), d = Pair<T>::f32(v.w);
         lo[jj] = (unsigned)q2<kE5M2>(a.x, a.y, s) | ((unsigned)q2<kE5M2>(b.x, b.y, s) << 16);
         hi[jj] = (unsigned)q2<kE5M2>(c.x, c.y, s) | ((unsigned)q2<kE5M2>(d.x, d.y, s) << 16);
-        if (q) *reinterpret_cast<uint2*>(q + (r0 + 4 * jg + jj) * C + c0) = make_uint2(lo[jj], hi[jj]);
+        if (q) lean_store<kMem>(reinterpret_cast<uint2*>(q + (r0 + 4 * jg + jj) * C + c0), make_uint2(lo[jj], hi[jj]));
       }
       unsigned w[8];
       transpose4x4(lo[0], lo[1], lo[2], lo[3], w);
@@ -868,7 +882,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      *reinterpret_cast<uint4*>(qt + (c0 + i) * R + r0) = make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]);
+      lean_store<kMem>(reinterpret_cast<uint4*>(qt + (c0 + i) * R + r0), make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]));
   }
   if (!waited) pdl_wait();  // a warp without a tile: the block's finish still comes after the pre-pass
   const unsigned bm = block_reduce_max(Pair<T>::amax_bits(m2), smem);
@@ -1100,29 +1114,30 @@ void launch_maybe_early(void (*kernel)(Params...), unsigned blocks, cudaStream_t
 // TORCH_OPS_QTILE_R=128 implies 1. Benchmarks and tests override it per
 // process with set_tile_version (bindings).
 std::atomic<int> g_tile_override{0};
-// The lean kernel's grid (tiles per warp; 0: one resident wave) and L2
-// prefetch of each warp's next tile. Defaults 2 and off; the environment
-// (TORCH_OPS_LEAN="tiles_per_warp,prefetch", read once) or set_lean_options
+// The lean kernel's grid (tiles per warp; 0: one resident wave) and cache
+// hints (lean_load / lean_store: 0-3). Defaults 2 and 0; the environment
+// (TORCH_OPS_LEAN="tiles_per_warp,hints", read once) or set_lean_options
 // (benchmarks) choose others.
 std::pair<int, int> lean_from_env() {
   static const std::pair<int, int> v = [] {
     std::pair<int, int> d{2, 0};
     const char* e = std::getenv("TORCH_OPS_LEAN");
-    int tpw = 0, pf = 0;
-    if (e && std::sscanf(e, "%d,%d", &tpw, &pf) == 2 && tpw >= 0 && tpw <= 1024) d = {tpw, pf ? 1 : 0};
+    int tpw = 0, hints = 0;
+    if (e && std::sscanf(e, "%d,%d", &tpw, &hints) == 2 && tpw >= 0 && tpw <= 1024 && hints >= 0 && hints <= 3)
+      d = {tpw, hints};
     return d;
   }();
   return v;
 }
 std::atomic<int> g_lean_tiles_per_warp{-1};  // -1: as the environment says
-std::atomic<int> g_lean_prefetch{-1};
+std::atomic<int> g_lean_hints{-1};
 int lean_tiles_per_warp() {
   const int v = g_lean_tiles_per_warp.load(std::memory_order_relaxed);
   return v < 0 ? lean_from_env().first : v;
 }
-bool lean_prefetch() {
-  const int v = g_lean_prefetch.load(std::memory_order_relaxed);
-  return (v < 0 ? lean_from_env().second : v) != 0;
+int lean_hints() {
+  const int v = g_lean_hints.load(std::memory_order_relaxed);
+  return v < 0 ? lean_from_env().second : v;
 }
 
 int tile_version() {
@@ -1306,12 +1321,17 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
         const unsigned per_block = (kThreads / 32) * (unsigned)std::max(tpw, 1);
         unsigned nb = std::max(1u, (ntiles + per_block - 1u) / per_block);
         if (tpw == 0) nb = std::min(nb, 2u * (unsigned)num_sms());  // persistent: one resident wave
-        const bool prefetch = lean_prefetch();
+        const int hints = lean_hints();
         // After a pre-pass, a programmatic dependent launch (pdl_wait).
         const bool early = prepass && pdl_enabled(x.get_device());
         if constexpr (sizeof(T) == 2) {
-          auto kernel = fmt == 1 ? (prefetch ? quant_lean_kernel<T, true, true> : quant_lean_kernel<T, true, false>)
-                                 : (prefetch ? quant_lean_kernel<T, false, true> : quant_lean_kernel<T, false, false>);
+          using K = decltype(&quant_lean_kernel<T, true, 0>);
+          static constexpr K kernels[2][4] = {
+              {quant_lean_kernel<T, false, 0>, quant_lean_kernel<T, false, 1>, quant_lean_kernel<T, false, 2>,
+               quant_lean_kernel<T, false, 3>},
+              {quant_lean_kernel<T, true, 0>, quant_lean_kernel<T, true, 1>, quant_lean_kernel<T, true, 2>,
+               quant_lean_kernel<T, true, 3>}};
+          auto kernel = kernels[fmt == 1 ? 1 : 0][hints & 3];
           launch_maybe_early(kernel, nb, stream, early, xp, R, C, tiles_c, ntiles, qp, qtp, f);
         } else {
           auto kernel = fmt == 1 ? quant_lean_f32_kernel<true> : quant_lean_f32_kernel<false>;
@@ -1363,13 +1383,13 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
 // tests and benchmarks.
 int set_tile_version(int version) { return g_tile_override.exchange(version); }
 
-std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int prefetch, int pdl) {
+std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int hints, int pdl) {
   // Arguments checked in bindings.cpp.
-  const int tpw_was = lean_tiles_per_warp(), prefetch_was = lean_prefetch() ? 1 : 0;
+  const int tpw_was = lean_tiles_per_warp(), hints_was = lean_hints();
   const int pdl_was = g_lean_pdl.exchange(pdl);
   g_lean_tiles_per_warp.store(tiles_per_warp);
-  g_lean_prefetch.store(prefetch ? 1 : 0);
-  return {tpw_was, prefetch_was, pdl_was < 0 ? pdl_from_env() : pdl_was};
+  g_lean_hints.store(hints);
+  return {tpw_was, hints_was, pdl_was < 0 ? pdl_from_env() : pdl_was};
 }
 
 namespace {

@@ -36,8 +36,8 @@ if has leanpick; then
   # The fastest delayed lean-kernel option of qbench's table, for the phases after this one.
   TORCH_OPS_LEAN=$(python3 - "$OUT/qbench.txt" <<'PY'
 import re, sys
-rows = {"tile kernel v5 (lean": "2,0", "L2 prefetch of each": "2,1", "one resident wave of": "0,0",
-        "one resident wave, L2": "0,1", "4 tiles per warp, L2": "4,1"}
+rows = {"tile kernel v5 (lean": "2,0", "256-byte sectors": "2,1", "v5, streaming stores": "2,2",
+        "loads and streaming": "2,3", "1 tile per warp": "1,0", "3 tiles per warp": "3,0", "one resident wave": "0,0"}
 best = ("2,0", float("inf"))
 for line in open(sys.argv[1]):
     for key, opt in rows.items():

@@ -162,16 +162,16 @@ class QuantizeKernelTest(parameterized.TestCase):
         self.assertEqual(bool(torch.isfinite(amax)), not special)
 
     @parameterized.product(
-        options=[(2, 1), (0, 0), (0, 1), (1, 1), (4, 1)],
+        options=[(2, 1), (2, 2), (2, 3), (0, 0), (1, 0), (3, 0)],
         shape=[(128, 192), (4160, 4096), (8192, 4096)],
         in_dtype=[torch.bfloat16, torch.float16],
         dt=[E4M3, E5M2],
     )
     def test_lean_kernel_options_equal_emulation(self, options, shape, in_dtype, dt):
-        """The lean kernel's grid and L2-prefetch options (set_lean_options:
-        tiles per warp, 0 = one resident wave; prefetch of the warp's next
-        tile) write the same bytes and amax; (4160, 4096) leaves the last
-        wave's warps with fewer tiles."""
+        """The lean kernel's grid and cache-hint options (set_lean_options:
+        tiles per warp, 0 = one resident wave; 256-byte L2 loads, streaming
+        stores) write the same bytes and amax; (4160, 4096) leaves some
+        warps with fewer tiles."""
         ext = torch_ops._build.load()
         x = rand(shape, in_dtype, special=False, seed=sum(options) + 7)
         s = torch.tensor(0.173, device=DEV)
@@ -193,6 +193,8 @@ class QuantizeKernelTest(parameterized.TestCase):
             ext.set_lean_options(-1, 0, -1)
         with self.assertRaisesRegex(ValueError, "pdl: expected -1"):
             ext.set_lean_options(2, 0, 3)
+        with self.assertRaisesRegex(ValueError, "hints: expected 0 to 3"):
+            ext.set_lean_options(2, 4, -1)
 
     def test_set_tile_version_names_bad_version(self):
         with self.assertRaisesRegex(ValueError, "version: expected 0"):
