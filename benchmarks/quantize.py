@@ -63,8 +63,8 @@ def main(argv=None):
         return torch_ops.quantize_delayed(x32, hist32, scale32, e4, transpose=True)
 
     # (name, fn, bytes, setup): setup is the transposing kernel version (None:
-    # the default), or (version, tiles per warp, cache hints, programmatic
-    # launch) for the lean kernel's options (set_lean_options).
+    # the default), or (version, tiles per warp, tile rows per block,
+    # programmatic launch) for the lean kernel's options (set_lean_options).
     variants = [
         ("device copy (x.clone())", lambda: x.clone(), 2 * n * 2, None),
         ("eager torch: amax + scale + cast + transpose", eager, 2 * n + n + n, None),
@@ -76,16 +76,17 @@ def main(argv=None):
         ("ours: the same, tile kernel v3 (cp.async double buffer)", delayed_t, 2 * n + 2 * n, 3),
         ("ours: the same, tile kernel v4 (v3, tiles down the column bands first)", delayed_t, 2 * n + 2 * n, 4),
         ("ours: the same, tile kernel v5 (lean: registers only, a 64x64 tile per warp)", delayed_t, 2 * n + 2 * n, 5),
-        ("ours: v5, no programmatic launch after the pre-pass", delayed_t, 2 * n + 2 * n, (5, 2, 0, 0)),
-        ("ours: v5, loads ask L2 for 256-byte sectors", delayed_t, 2 * n + 2 * n, (5, 2, 1, -1)),
-        ("ours: v5, streaming stores", delayed_t, 2 * n + 2 * n, (5, 2, 2, -1)),
-        ("ours: v5, 256-byte loads and streaming stores", delayed_t, 2 * n + 2 * n, (5, 2, 3, -1)),
-        ("ours: v5, 1 tile per warp", delayed_t, 2 * n + 2 * n, (5, 1, 0, -1)),
-        ("ours: v5, 3 tiles per warp", delayed_t, 2 * n + 2 * n, (5, 3, 0, -1)),
-        ("ours: v5, one resident wave of blocks", delayed_t, 2 * n + 2 * n, (5, 0, 0, -1)),
+        ("ours: v5, no programmatic launch after the pre-pass", delayed_t, 2 * n + 2 * n, (5, 2, 1, 0)),
+        ("ours: v5, blocks of 2 x 4 tiles", delayed_t, 2 * n + 2 * n, (5, 2, 2, -1)),
+        ("ours: v5, blocks of 4 x 2 tiles", delayed_t, 2 * n + 2 * n, (5, 2, 4, -1)),
+        ("ours: v5, 1 tile per warp", delayed_t, 2 * n + 2 * n, (5, 1, 1, -1)),
+        ("ours: v5, 1 tile per warp, blocks of 2 x 4 tiles", delayed_t, 2 * n + 2 * n, (5, 1, 2, -1)),
+        ("ours: v5, 1 tile per warp, blocks of 4 x 2 tiles", delayed_t, 2 * n + 2 * n, (5, 1, 4, -1)),
         ("ours: float32 x (a master weight), q + q_t, tile kernel v2 (before v5)", delayed_t32, 4 * n + 2 * n, 2),
         ("ours: float32 x (a master weight), q + q_t, tile kernel v5 (lean)", delayed_t32, 4 * n + 2 * n, 5),
-        ("ours: float32 x, v5, no programmatic launch after the pre-pass", delayed_t32, 4 * n + 2 * n, (5, 2, 0, 0)),
+        ("ours: float32 x, v5, no programmatic launch after the pre-pass", delayed_t32, 4 * n + 2 * n, (5, 2, 1, 0)),
+        ("ours: float32 x, v5, blocks of 2 x 4 tiles", delayed_t32, 4 * n + 2 * n, (5, 2, 2, -1)),
+        ("ours: float32 x, v5, blocks of 4 x 2 tiles", delayed_t32, 4 * n + 2 * n, (5, 2, 4, -1)),
         ("ours: quantize_delayed, q + amax + history (no transpose)",
          lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n, None),
         ("ours: amax + history only (no fp8 output)",
@@ -102,7 +103,7 @@ def main(argv=None):
     print("| variant | us (graph) | bytes (min) | TB/s | eager us |")
     print("|---|---|---|---|---|")
     for name, fn, nbytes, setup in variants:
-        version, *lean = setup if isinstance(setup, tuple) else (setup, 2, 0, -1)
+        version, *lean = setup if isinstance(setup, tuple) else (setup, 2, 1, -1)
         prev = ext.set_tile_version(version or 0)
         prev_lean = ext.set_lean_options(*lean)
         try:

@@ -16,7 +16,7 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
                      const at::Tensor& scale_state, const at::Tensor& hist_for_empty, const at::Tensor& q,
                      long long ldq, const at::Tensor& qt, long long ldqt, int algo, double mdiv, bool skip_zero);
 int set_tile_version(int version);
-std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int hints, int pdl);
+std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int rows, int pdl);
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt, int algo,
                         double mdiv, bool skip_zero);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
@@ -126,14 +126,14 @@ int set_tile_version(int64_t version) {
   return torch_ops::set_tile_version((int)version);
 }
 
-std::tuple<int, int, int> set_lean_options(int64_t tiles_per_warp, int64_t hints, int64_t pdl) {
+std::tuple<int, int, int> set_lean_options(int64_t tiles_per_warp, int64_t rows, int64_t pdl) {
   TORCH_CHECK_VALUE(tiles_per_warp >= 0 && tiles_per_warp <= 1024,
                     "tiles_per_warp: expected 0 (one resident wave) to 1024, got ", std::to_string(tiles_per_warp));
   TORCH_CHECK_VALUE(pdl >= -1 && pdl <= 1, "pdl: expected -1 (as TORCH_OPS_PDL says), 0 or 1, got ",
                     std::to_string(pdl));
-  TORCH_CHECK_VALUE(hints >= 0 && hints <= 3, "hints: expected 0 to 3 (1: L2 256-byte loads, 2: streaming stores), got ",
-                    std::to_string(hints));
-  return torch_ops::set_lean_options((int)tiles_per_warp, (int)hints, (int)pdl);
+  TORCH_CHECK_VALUE(rows == 1 || rows == 2 || rows == 4, "rows: expected 1, 2 or 4 tile rows per block, got ",
+                    std::to_string(rows));
+  return torch_ops::set_lean_options((int)tiles_per_warp, (int)rows, (int)pdl);
 }
 
 }  // namespace
@@ -149,9 +149,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tile_version", &set_tile_version,
         "version (0 default, 1, 2, 3, 4, 5): the transposing quantize kernel of this process -> previous override");
   m.def("set_lean_options", &set_lean_options,
-        "tiles_per_warp (default 2; 0: one resident wave), hints (cache hints, a bit set: 1 loads ask L2 for "
-        "256-byte sectors, 2 streaming stores; default 0), pdl (programmatic launch after the pre-pass on sm_90: 1 on, 0 off, -1 TORCH_OPS_PDL): the lean "
-        "quantize kernel's launch, for benchmarks -> previous (tiles_per_warp, hints, pdl)");
+        "tiles_per_warp (default 2; 0: one resident wave), rows (tile rows per block: 1, 2 or 4; default 1), pdl (programmatic launch after the pre-pass on sm_90: 1 on, 0 off, -1 TORCH_OPS_PDL): the lean "
+        "quantize kernel's launch, for benchmarks -> previous (tiles_per_warp, rows, pdl)");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
   m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "

@@ -806,32 +806,33 @@ struct Pair<__half> {
 
 constexpr unsigned kAbs16x2 = 0x7fff7fffu;
 
-// The lean kernel's memory instructions by cache hint (kMem, a bit set):
-// 1 = loads skip L1 and ask L2 for 256-byte sectors (each tile row's 128
-// bytes and the next tile's), 2 = streaming (evict-first) stores. 0: plain.
-template <int kMem>
-__device__ __forceinline__ uint4 lean_load(const uint4* p) {
-  if constexpr ((kMem & 1) != 0) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
+// Which 64 x 64 tile a warp of a lean kernel takes. The block's eight warps
+// cover kRows x (8 / kRows) tiles of one "unit"; unit u is the block's
+// (u / gridDim.x)-th. kRows 1: eight tiles side by side (any tile count: the
+// last unit may be short, `t` says where a warp's tile falls in row-major
+// tile order). kRows 2 or 4: two or four tile rows, so that the q_t row
+// pieces of vertically adjacent tiles (one 128-byte line for two) are
+// written together; needs whole units (tiles_c % (8 / kRows) == 0 and the
+// tile rows a multiple of kRows). Returns false where the warp has no tile.
+template <int kRows>
+__device__ __forceinline__ bool lean_tile(unsigned u, unsigned tiles_c, unsigned ntiles, long long& tile_r,
+                                          long long& tile_c) {
+  constexpr unsigned kCols = 8 / kRows;
+  const unsigned w = threadIdx.x >> 5;
+  if constexpr (kRows == 1) {
+    const unsigned t = u * 8u + w;
+    tile_r = t / tiles_c;
+    tile_c = t % tiles_c;
+    return t < ntiles;
   } else {
-    return __ldg(p);
+    const unsigned units_c = tiles_c / kCols;
+    tile_r = (long long)(u / units_c) * kRows + w / kCols;
+    tile_c = (long long)(u % units_c) * kCols + w % kCols;
+    return true;
   }
 }
 
-template <int kMem, typename V>
-__device__ __forceinline__ void lean_store(V* p, V v) {
-  if constexpr ((kMem & 2) != 0) {
-    __stcs(p, v);
-  } else {
-    *p = v;
-  }
-}
-
-template <typename T, bool kE5M2, int kMem>
+template <typename T, bool kE5M2, int kRows>
 __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __restrict__ x, long long R, long long C,
                                                                  unsigned tiles_c, unsigned ntiles,
                                                                  uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
@@ -840,18 +841,20 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
   __shared__ unsigned smem[kRedWords];
   const int lane = threadIdx.x & 31;
   const int lv = lane & 7, gq = lane >> 3;
-  const unsigned nwarps = gridDim.x * (kThreads / 32);
+  const unsigned nunits = (ntiles + 7u) / 8u;
   const long long row_vecs = C / 8;
   unsigned m2 = 0u;
   float s = 0.0f;
   bool waited = false;
-  for (unsigned t = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); t < ntiles; t += nwarps) {
-    const long long r0 = (long long)(t / tiles_c) * 64 + 16 * gq;  // this lane's first row
-    const long long c0 = (long long)(t % tiles_c) * 64 + 8 * lv;   // and first column
+  for (unsigned u = blockIdx.x; u < nunits; u += gridDim.x) {
+    long long tile_r, tile_c;
+    if (!lean_tile<kRows>(u, tiles_c, ntiles, tile_r, tile_c)) break;
+    const long long r0 = tile_r * 64 + 16 * gq;  // this lane's first row
+    const long long c0 = tile_c * 64 + 8 * lv;   // and first column
     const uint4* src = reinterpret_cast<const uint4*>(x + r0 * C + c0);
     uint4 in[16];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) in[j] = lean_load<kMem>(src + j * row_vecs);
+    for (int j = 0; j < 16; ++j) in[j] = __ldg(src + j * row_vecs);
     if (!waited) {
       // x is complete before this kernel starts; only scale_used may still be
       // in the making (a programmatic launch after the pre-pass): wait for it
@@ -872,7 +875,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
         const float2 a = Pair<T>::f32(v.x), b = Pair<T>::f32(v.y), c = Pair<T>::f32(v.z), d = Pair<T>::f32(v.w);
         lo[jj] = (unsigned)q2<kE5M2>(a.x, a.y, s) | ((unsigned)q2<kE5M2>(b.x, b.y, s) << 16);
         hi[jj] = (unsigned)q2<kE5M2>(c.x, c.y, s) | ((unsigned)q2<kE5M2>(d.x, d.y, s) << 16);
-        if (q) lean_store<kMem>(reinterpret_cast<uint2*>(q + (r0 + 4 * jg + jj) * C + c0), make_uint2(lo[jj], hi[jj]));
+        if (q) *reinterpret_cast<uint2*>(q + (r0 + 4 * jg + jj) * C + c0) = make_uint2(lo[jj], hi[jj]);
       }
       unsigned w[8];
       transpose4x4(lo[0], lo[1], lo[2], lo[3], w);
@@ -882,7 +885,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      lean_store<kMem>(reinterpret_cast<uint4*>(qt + (c0 + i) * R + r0), make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]));
+      *reinterpret_cast<uint4*>(qt + (c0 + i) * R + r0) = make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]);
   }
   if (!waited) pdl_wait();  // a warp without a tile: the block's finish still comes after the pre-pass
   const unsigned bm = block_reduce_max(Pair<T>::amax_bits(m2), smem);
@@ -893,7 +896,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
 // owns columns c0 + 4 lv .. + 3 and c0 + 32 + 4 lv .. + 3 of its sixteen rows,
 // so that each warp load reads whole 128-byte row pieces; loaded four rows
 // at a time (two 16-byte loads per row).
-template <bool kE5M2>
+template <bool kE5M2, int kRows>
 __global__ void __launch_bounds__(kThreads, 2) quant_lean_f32_kernel(const float* __restrict__ x, long long R,
                                                                      long long C, unsigned tiles_c, unsigned ntiles,
                                                                      uint8_t* __restrict__ q,
@@ -903,11 +906,13 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_f32_kernel(const float
   const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
   const int lane = threadIdx.x & 31;
   const int lv = lane & 7, gq = lane >> 3;
-  const unsigned nwarps = gridDim.x * (kThreads / 32);
+  const unsigned nunits = (ntiles + 7u) / 8u;
   unsigned local = 0u;
-  for (unsigned t = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); t < ntiles; t += nwarps) {
-    const long long r0 = (long long)(t / tiles_c) * 64 + 16 * gq;
-    const long long ca = (long long)(t % tiles_c) * 64 + 4 * lv;  // and cb = ca + 32
+  for (unsigned u = blockIdx.x; u < nunits; u += gridDim.x) {
+    long long tile_r, tile_c;
+    if (!lean_tile<kRows>(u, tiles_c, ntiles, tile_r, tile_c)) break;
+    const long long r0 = tile_r * 64 + 16 * gq;
+    const long long ca = tile_c * 64 + 4 * lv;  // and cb = ca + 32
     const float4* src = reinterpret_cast<const float4*>(x + r0 * C + ca);
     const long long row_vecs = C / 4;
     unsigned ot[8][4];
@@ -1114,29 +1119,30 @@ void launch_maybe_early(void (*kernel)(Params...), unsigned blocks, cudaStream_t
 // TORCH_OPS_QTILE_R=128 implies 1. Benchmarks and tests override it per
 // process with set_tile_version (bindings).
 std::atomic<int> g_tile_override{0};
-// The lean kernel's grid (tiles per warp; 0: one resident wave) and cache
-// hints (lean_load / lean_store: 0-3). Defaults 2 and 0; the environment
-// (TORCH_OPS_LEAN="tiles_per_warp,hints", read once) or set_lean_options
-// (benchmarks) choose others.
+// The lean kernels' grid (tiles per warp; 0: one resident wave) and block
+// layout (lean_tile's kRows: 1, 2 or 4 tile rows per block). Defaults 2 and
+// 1; the environment (TORCH_OPS_LEAN="tiles_per_warp,rows", read once) or
+// set_lean_options (benchmarks) choose others.
 std::pair<int, int> lean_from_env() {
   static const std::pair<int, int> v = [] {
-    std::pair<int, int> d{2, 0};
+    std::pair<int, int> d{2, 1};
     const char* e = std::getenv("TORCH_OPS_LEAN");
-    int tpw = 0, hints = 0;
-    if (e && std::sscanf(e, "%d,%d", &tpw, &hints) == 2 && tpw >= 0 && tpw <= 1024 && hints >= 0 && hints <= 3)
-      d = {tpw, hints};
+    int tpw = 0, rows = 0;
+    if (e && std::sscanf(e, "%d,%d", &tpw, &rows) == 2 && tpw >= 0 && tpw <= 1024 &&
+        (rows == 1 || rows == 2 || rows == 4))
+      d = {tpw, rows};
     return d;
   }();
   return v;
 }
 std::atomic<int> g_lean_tiles_per_warp{-1};  // -1: as the environment says
-std::atomic<int> g_lean_hints{-1};
+std::atomic<int> g_lean_rows{-1};
 int lean_tiles_per_warp() {
   const int v = g_lean_tiles_per_warp.load(std::memory_order_relaxed);
   return v < 0 ? lean_from_env().first : v;
 }
-int lean_hints() {
-  const int v = g_lean_hints.load(std::memory_order_relaxed);
+int lean_rows() {
+  const int v = g_lean_rows.load(std::memory_order_relaxed);
   return v < 0 ? lean_from_env().second : v;
 }
 
@@ -1315,27 +1321,33 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
                         (reinterpret_cast<uintptr_t>(qp) & 7) == 0 && (R / 64) * (C / 64) < (1LL << 31);
       if (lean) {
         const unsigned tiles_c = (unsigned)(C / 64), ntiles = (unsigned)((R / 64) * (C / 64));
+        // Block layout: kRows tile rows of 8 / kRows tiles where they divide
+        // the tile grid, else eight tiles side by side.
+        int rows = lean_rows();
+        if (tiles_c % (8 / rows) != 0 || (R / 64) % rows != 0) rows = 1;
         // Two tiles per warp by default: blocks are scheduled as SMs free up,
         // so the tail stays short (set_lean_options: other grids, for benchmarks).
         const int tpw = lean_tiles_per_warp();
-        const unsigned per_block = (kThreads / 32) * (unsigned)std::max(tpw, 1);
-        unsigned nb = std::max(1u, (ntiles + per_block - 1u) / per_block);
+        const unsigned nunits = (ntiles + 7u) / 8u, per_block = (unsigned)std::max(tpw, 1);
+        unsigned nb = std::max(1u, (nunits + per_block - 1u) / per_block);
         if (tpw == 0) nb = std::min(nb, 2u * (unsigned)num_sms());  // persistent: one resident wave
-        const int hints = lean_hints();
+        const int layout = rows == 4 ? 2 : rows - 1;  // 1, 2, 4 rows -> 0, 1, 2
         // After a pre-pass, a programmatic dependent launch (pdl_wait).
         const bool early = prepass && pdl_enabled(x.get_device());
         if constexpr (sizeof(T) == 2) {
-          using K = decltype(&quant_lean_kernel<T, true, 0>);
-          static constexpr K kernels[2][4] = {
-              {quant_lean_kernel<T, false, 0>, quant_lean_kernel<T, false, 1>, quant_lean_kernel<T, false, 2>,
-               quant_lean_kernel<T, false, 3>},
-              {quant_lean_kernel<T, true, 0>, quant_lean_kernel<T, true, 1>, quant_lean_kernel<T, true, 2>,
-               quant_lean_kernel<T, true, 3>}};
-          auto kernel = kernels[fmt == 1 ? 1 : 0][hints & 3];
-          launch_maybe_early(kernel, nb, stream, early, xp, R, C, tiles_c, ntiles, qp, qtp, f);
+          using K = decltype(&quant_lean_kernel<T, true, 1>);
+          static constexpr K kernels[2][3] = {
+              {quant_lean_kernel<T, false, 1>, quant_lean_kernel<T, false, 2>, quant_lean_kernel<T, false, 4>},
+              {quant_lean_kernel<T, true, 1>, quant_lean_kernel<T, true, 2>, quant_lean_kernel<T, true, 4>}};
+          launch_maybe_early(kernels[fmt == 1 ? 1 : 0][layout], nb, stream, early, xp, R, C, tiles_c, ntiles, qp, qtp,
+                             f);
         } else {
-          auto kernel = fmt == 1 ? quant_lean_f32_kernel<true> : quant_lean_f32_kernel<false>;
-          launch_maybe_early(kernel, nb, stream, early, xp, R, C, tiles_c, ntiles, qp, qtp, f);
+          using K = decltype(&quant_lean_f32_kernel<true, 1>);
+          static constexpr K kernels[2][3] = {
+              {quant_lean_f32_kernel<false, 1>, quant_lean_f32_kernel<false, 2>, quant_lean_f32_kernel<false, 4>},
+              {quant_lean_f32_kernel<true, 1>, quant_lean_f32_kernel<true, 2>, quant_lean_f32_kernel<true, 4>}};
+          launch_maybe_early(kernels[fmt == 1 ? 1 : 0][layout], nb, stream, early, xp, R, C, tiles_c, ntiles, qp, qtp,
+                             f);
         }
         return;
       }
@@ -1383,13 +1395,13 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
 // tests and benchmarks.
 int set_tile_version(int version) { return g_tile_override.exchange(version); }
 
-std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int hints, int pdl) {
+std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int rows, int pdl) {
   // Arguments checked in bindings.cpp.
-  const int tpw_was = lean_tiles_per_warp(), hints_was = lean_hints();
+  const int tpw_was = lean_tiles_per_warp(), rows_was = lean_rows();
   const int pdl_was = g_lean_pdl.exchange(pdl);
   g_lean_tiles_per_warp.store(tiles_per_warp);
-  g_lean_hints.store(hints);
-  return {tpw_was, hints_was, pdl_was < 0 ? pdl_from_env() : pdl_was};
+  g_lean_rows.store(rows);
+  return {tpw_was, rows_was, pdl_was < 0 ? pdl_from_env() : pdl_was};
 }
 
 namespace {

@@ -162,16 +162,17 @@ class QuantizeKernelTest(parameterized.TestCase):
         self.assertEqual(bool(torch.isfinite(amax)), not special)
 
     @parameterized.product(
-        options=[(2, 1), (2, 2), (2, 3), (0, 0), (1, 0), (3, 0)],
-        shape=[(128, 192), (4160, 4096), (8192, 4096)],
-        in_dtype=[torch.bfloat16, torch.float16],
+        options=[(2, 2), (2, 4), (1, 2), (3, 4), (0, 2), (1, 1)],
+        shape=[(128, 192), (4224, 4096), (8192, 4096), (256, 1024)],
+        in_dtype=[torch.bfloat16, torch.float16, torch.float32],
         dt=[E4M3, E5M2],
     )
     def test_lean_kernel_options_equal_emulation(self, options, shape, in_dtype, dt):
-        """The lean kernel's grid and cache-hint options (set_lean_options:
-        tiles per warp, 0 = one resident wave; 256-byte L2 loads, streaming
-        stores) write the same bytes and amax; (4160, 4096) leaves some
-        warps with fewer tiles."""
+        """The lean kernels' grid and block-layout options (set_lean_options:
+        tiles per warp, 0 = one resident wave; 1, 2 or 4 tile rows per block)
+        write the same bytes and amax. (128, 192) takes no layout but 1 tile
+        row; (4224, 4096) has 66 tile rows (2, not 4); (4224, 4096) and
+        (8192, 4096) leave warps with fewer tiles than others."""
         ext = torch_ops._build.load()
         x = rand(shape, in_dtype, special=False, seed=sum(options) + 7)
         s = torch.tensor(0.173, device=DEV)
@@ -190,11 +191,11 @@ class QuantizeKernelTest(parameterized.TestCase):
     def test_set_lean_options_names_bad_arguments(self):
         ext = torch_ops._build.load()
         with self.assertRaisesRegex(ValueError, "tiles_per_warp: expected 0"):
-            ext.set_lean_options(-1, 0, -1)
+            ext.set_lean_options(-1, 1, -1)
         with self.assertRaisesRegex(ValueError, "pdl: expected -1"):
-            ext.set_lean_options(2, 0, 3)
-        with self.assertRaisesRegex(ValueError, "hints: expected 0 to 3"):
-            ext.set_lean_options(2, 4, -1)
+            ext.set_lean_options(2, 1, 3)
+        with self.assertRaisesRegex(ValueError, "rows: expected 1, 2 or 4"):
+            ext.set_lean_options(2, 3, -1)
 
     def test_set_tile_version_names_bad_version(self):
         with self.assertRaisesRegex(ValueError, "version: expected 0"):
@@ -278,7 +279,7 @@ class QuantizeKernelTest(parameterized.TestCase):
         scale, from an empty history (the seed) and after, eagerly and
         replayed from a CUDA graph."""
         ext = torch_ops._build.load()
-        prev_lean = ext.set_lean_options(2, 0, pdl)
+        prev_lean = ext.set_lean_options(2, 1, pdl)
         try:
             self._delayed_lean_after_prepass(in_dtype, dt, graph)
         finally:
