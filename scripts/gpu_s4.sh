@@ -36,9 +36,8 @@ if has leanpick; then
   # The fastest delayed lean-kernel option of qbench's table, for the phases after this one.
   TORCH_OPS_LEAN=$(python3 - "$OUT/qbench.txt" <<'PY'
 import re, sys
-rows = {"tile kernel v5 (lean": "2,1", "v5, blocks of 2 x 4": "2,2", "v5, blocks of 4 x 2": "2,4",
-        "v5, 1 tile per warp |": "1,1", "1 tile per warp, blocks of 2": "1,2", "1 tile per warp, blocks of 4": "1,4"}
-best = ("2,1", float("inf"))
+rows = {"tile kernel v5 (lean": "1,2", "v5, 2 tiles per warp, 8 side by side |": "2,1", "v5, blocks of 4 x 2": "1,4"}
+best = ("1,2", float("inf"))
 for line in open(sys.argv[1]):
     for key, opt in rows.items():
         if key in line:

@@ -162,7 +162,7 @@ class QuantizeKernelTest(parameterized.TestCase):
         self.assertEqual(bool(torch.isfinite(amax)), not special)
 
     @parameterized.product(
-        options=[(2, 2), (2, 4), (1, 2), (3, 4), (0, 2), (1, 1)],
+        options=[(2, 1), (2, 2), (2, 4), (1, 4), (3, 4), (0, 2), (1, 1)],
         shape=[(128, 192), (4224, 4096), (8192, 4096), (256, 1024)],
         in_dtype=[torch.bfloat16, torch.float16, torch.float32],
         dt=[E4M3, E5M2],
@@ -279,7 +279,7 @@ class QuantizeKernelTest(parameterized.TestCase):
         scale, from an empty history (the seed) and after, eagerly and
         replayed from a CUDA graph."""
         ext = torch_ops._build.load()
-        prev_lean = ext.set_lean_options(2, 1, pdl)
+        prev_lean = ext.set_lean_options(1, 2, pdl)
         try:
             self._delayed_lean_after_prepass(in_dtype, dt, graph)
         finally:
