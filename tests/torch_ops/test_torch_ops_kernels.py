@@ -65,6 +65,18 @@ def assert_same_f32(got, ref):
 QUANT_SHAPES = [(1, 1, 16), (17, 9, 33), (4095, 4097), (4097, 129), (1, 7), (16384, 4096)]
 
 
+def assert_same_delayed(got, ref, state, ref_state):
+    """quantize_delayed's (q, q_t, scale_used, amax) and the (history, scale)
+    it updated, equal to the emulation's bit for bit."""
+    (q, qt, su, a), (rq, rqt, rsu, ra) = got, ref
+    assert_same_f32(su, rsu)
+    assert_same_f32(a, ra)
+    assert_same_fp8(q, rq)
+    assert_same_fp8(qt, rqt)
+    for t, rt in zip(state, ref_state):
+        assert_same_f32(t, rt)
+
+
 class QuantizeKernelTest(parameterized.TestCase):
     @parameterized.product(
         shape=QUANT_SHAPES,
@@ -234,16 +246,9 @@ class QuantizeKernelTest(parameterized.TestCase):
             if k == 4:
                 x.zero_()  # recorded (zero)
             poison()
-            q, qt, su, a = torch_ops.quantize_delayed(x, h, s, dt, margin=margin, amax_compute_algo=algo,
-                                                      transpose=True)
-            rq, rqt, rsu, ra = emu.quantize_delayed(x, rh, rs, dt, margin=margin, amax_compute_algo=algo,
-                                                    transpose=True)
-            assert_same_f32(su, rsu)
-            assert_same_f32(a, ra)
-            assert_same_fp8(q, rq)
-            assert_same_fp8(qt, rqt)
-            assert_same_f32(h, rh)
-            assert_same_f32(s, rs)
+            got = torch_ops.quantize_delayed(x, h, s, dt, margin=margin, amax_compute_algo=algo, transpose=True)
+            ref = emu.quantize_delayed(x, rh, rs, dt, margin=margin, amax_compute_algo=algo, transpose=True)
+            assert_same_delayed(got, ref, (h, s), (rh, rs))
         # the inf call (k=3) was not recorded, the zero call (k=4) was
         self.assertEqual(h[2].item(), 0.0)
 
@@ -307,17 +312,12 @@ class QuantizeKernelTest(parameterized.TestCase):
             if graph:
                 xbuf.copy_(x)
                 g.replay()
-                q, qt, su, a = out
+                got = out
             else:
-                q, qt, su, a = torch_ops.quantize_delayed(x, h, s, dt, transpose=True)
-            rq, rqt, rsu, ra = emu.quantize_delayed(x, rh, rs, dt, transpose=True)
+                got = torch_ops.quantize_delayed(x, h, s, dt, transpose=True)
+            ref = emu.quantize_delayed(x, rh, rs, dt, transpose=True)
             torch.cuda.synchronize()
-            assert_same_f32(su, rsu)
-            assert_same_f32(a, ra)
-            assert_same_fp8(q, rq)
-            assert_same_fp8(qt, rqt)
-            assert_same_f32(h, rh)
-            assert_same_f32(s, rs)
+            assert_same_delayed(got, ref, (h, s), (rh, rs))
 
     @parameterized.product(shape=[(1, 16), (4095, 4097), (256, 512)], dt=[E4M3, E5M2], prev=[False, True])
     def test_current_matches_emulation(self, shape, dt, prev):
