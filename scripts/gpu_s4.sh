@@ -3,6 +3,7 @@
 #   build   python -m torch_ops build
 #   tests   tests/torch_ops + torch dispatch/saving/training tests (torch backend)
 #   qbench  benchmarks/quantize.py (tile kernels and the lean kernel's options side by side)
+#   ncumem  Nsight Compute memory metrics of the lean quantize kernel and of a device copy
 #   leanpick  export TORCH_OPS_LEAN: qbench's fastest lean-kernel options, for the later phases
 #   linear  benchmarks/linear.py at all six shapes ($LINEAR_ARGS)
 #   profile benchmarks/profile_linear.py at $PROFILE_SHAPE ($PROFILE_ARGS)
@@ -47,6 +48,21 @@ print(best[0])
 PY
 )
   export TORCH_OPS_LEAN; say "TORCH_OPS_LEAN=$TORCH_OPS_LEAN (fastest in qbench)"
+fi
+if has ncumem; then
+  # Memory traffic of the lean quantize kernel next to a device copy (the question left by session 9:
+  # DRAM 68% and L2 82% busy for v5 against a copy's ~86% of DRAM; what does v5 move that a copy does not?).
+  M=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+  M=$M,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sector_hit_rate.pct,lts__throughput.avg.pct_of_peak_sustained_elapsed
+  M=$M,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum
+  M=$M,l1tex__t_requests_pipe_lsu_mem_global_op_st.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum
+  M=$M,lts__t_sectors_srcunit_tex_op_write_lookup_miss.sum,lts__t_sectors_srcunit_ltcfabric.sum,sm__warps_active.avg.pct_of_peak_sustained_active
+  for k in quant_lean copy; do
+    step "ncu_$k" 90 ncu --clock-control none --csv --metrics "$M" -k regex:$k --launch-skip 2 --launch-count 1 \
+      python3 scripts/ncu_quant.py 5
+    python3 -c 'import csv, sys; rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14 and r[0] != "ID"]
+[print(r[4][:40], r[12], r[13], r[14]) for r in rows]' "$OUT/ncu_$k.txt" | tee -a "$LOG"
+  done
 fi
 if has linear; then
   step linear ${LINEAR_LIMIT:-300} python3 benchmarks/linear.py ${LINEAR_ARGS:---iters 30 --rounds 5}
