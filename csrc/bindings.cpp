@@ -149,8 +149,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tile_version", &set_tile_version,
         "version (0 default, 1, 2, 3, 4, 5): the transposing quantize kernel of this process -> previous override");
   m.def("set_lean_options", &set_lean_options,
-        "tiles_per_warp (default 1; 0: one resident wave), rows (tile rows per block: 1, 2 or 4; default 2), pdl (programmatic launch after the pre-pass on sm_90: 1 on, 0 off, -1 TORCH_OPS_PDL): the lean "
-        "quantize kernel's launch, for benchmarks -> previous (tiles_per_warp, rows, pdl)");
+        "tiles_per_warp (default 1; 0: one resident wave), rows (tile rows per block: 1, 2 or 4; default 2), "
+        "pdl (programmatic launch after the pre-pass on sm_90: 1 on, 0 off, -1 TORCH_OPS_PDL): the lean quantize "
+        "kernels' launch, for benchmarks -> previous (tiles_per_warp, rows, pdl)");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
   m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "
