@@ -2,7 +2,7 @@
 # The fourth to sixth sessions' device calls (capped at $BUDGET s), by PHASES:
 #   build   python -m torch_ops build
 #   tests   tests/torch_ops + torch dispatch/saving/training tests (torch backend)
-#   qbench  benchmarks/quantize.py (tile kernels and the lean kernel's options side by side)
+#   qbench  benchmarks/quantize.py (tile kernels and the lean kernel's options side by side; also at $QBENCH_SHAPES)
 #   ncumem  Nsight Compute memory metrics of the lean quantize kernel and of a device copy
 #   leanpick  export TORCH_OPS_LEAN: qbench's fastest lean-kernel options, for the later phases
 #   linear  benchmarks/linear.py at all six shapes ($LINEAR_ARGS)
@@ -32,6 +32,11 @@ if has tests; then
 fi
 if has qbench; then
   step qbench 60 python3 benchmarks/quantize.py; grep "^|" "$OUT/qbench.txt" | tee -a "$LOG"
+  # Other shapes ($QBENCH_SHAPES): e.g. strides that are not powers of two, to test for L2/DRAM partition camping.
+  for shp in ${QBENCH_SHAPES:-}; do
+    step "qbench_$shp" 60 python3 benchmarks/quantize.py --shape "$shp"
+    say "qbench $shp:"; grep -E "^\| (device copy|ours: quantize_delayed, q \+ q_t|ours: the same, tile kernel v5)" "$OUT/qbench_$shp.txt" | tee -a "$LOG"
+  done
 fi
 if has leanpick; then
   # The fastest delayed lean-kernel option of qbench's table, for the phases after this one.
