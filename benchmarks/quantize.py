@@ -74,7 +74,6 @@ def main(argv=None):
         ("ours: quantize_delayed, q + q_t + amax + history + next scale", delayed_t, 2 * n + 2 * n, None),
         ("ours: the same, tile kernel v2 (register loads)", delayed_t, 2 * n + 2 * n, 2),
         ("ours: the same, tile kernel v3 (cp.async double buffer)", delayed_t, 2 * n + 2 * n, 3),
-        ("ours: the same, tile kernel v4 (v3, tiles down the column bands first)", delayed_t, 2 * n + 2 * n, 4),
         ("ours: the same, tile kernel v5 (lean: registers only, a 64x64 tile per warp, 2 x 4 per block)", delayed_t, 2 * n + 2 * n, 5),
         ("ours: v5, no programmatic launch after the pre-pass", delayed_t, 2 * n + 2 * n, (5, 1, 2, 0)),
         ("ours: v5 before the ninth session: 2 tiles per warp, 8 side by side, no programmatic launch",

@@ -121,7 +121,8 @@ void record_amax(const at::Tensor& history, const at::Tensor& scale, const at::T
 }
 
 int set_tile_version(int64_t version) {
-  TORCH_CHECK_VALUE(version >= 0 && version <= 5, "version: expected 0 (default), 1, 2, 3, 4 or 5, got ",
+  TORCH_CHECK_VALUE(version == 0 || version == 2 || version == 3 || version == 5,
+                    "version: expected 0 (default), 2, 3 or 5 (1 and 4 were removed), got ",
                     std::to_string(version));
   return torch_ops::set_tile_version((int)version);
 }
@@ -147,7 +148,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x, prev_scale, fmt, mdiv, transpose, pad, write_q -> (q, qt, scale_used, amax)");
   m.def("record_amax", &record_amax, "history, scale, amax, fmt, mdiv, algo, skip_zero");
   m.def("set_tile_version", &set_tile_version,
-        "version (0 default, 1, 2, 3, 4, 5): the transposing quantize kernel of this process -> previous override");
+        "version (0 default, 2, 3, 5): the transposing quantize kernel of this process -> previous override");
   m.def("set_lean_options", &set_lean_options,
         "tiles_per_warp (default 1; 0: one resident wave), rows (tile rows per block: 1, 2 or 4; default 2), "
         "pdl (programmatic launch after the pre-pass on sm_90: 1 on, 0 off, -1 TORCH_OPS_PDL): the lean quantize "

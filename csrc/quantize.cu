@@ -35,11 +35,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRedWords = 64;  // shared words of the block reductions (two values)
 constexpr int kHistPer = 8;    // history entries per thread in the one-pass finalize
-// Input rows per tile: 64 (default; 4 blocks/SM, no spills) or 128 (3
-// blocks/SM, twice the loads in flight per thread, 128-byte rows of q_t, a
-// few spilled registers); TORCH_OPS_QTILE_R=128 picks the latter.
-constexpr int kTileC = 128;   // input cols per tile
-constexpr int kSmemStride = kTileC + 8;  // bytes; keeps 8-byte alignment of rows
+constexpr int kTileC = 128;   // input cols per tile of the v2 and v3 kernels
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
@@ -58,31 +54,41 @@ __device__ __forceinline__ unsigned short q2(float a, float b, float inv) {
   return __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, kE5M2 ? __NV_E5M2 : __NV_E4M3);
 }
 
+// Two 16-bit elements packed in a word: to floats; the f32 bits of the larger
+// of two packed |x| values.
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  static __device__ __forceinline__ float2 f32(unsigned w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+  static __device__ __forceinline__ unsigned amax_bits(unsigned m2) { return max(m2 & 0xffffu, m2 >> 16) << 16; }
+};
+template <>
+struct Pair<__half> {
+  static __device__ __forceinline__ float2 f32(unsigned w) {
+    __half2 h;
+    memcpy(&h, &w, sizeof(h));
+    return __half22float2(h);
+  }
+  static __device__ __forceinline__ unsigned amax_bits(unsigned m2) {
+    const unsigned short b = (unsigned short)max(m2 & 0xffffu, m2 >> 16);
+    return abs_bits(__half2float(__ushort_as_half(b)));
+  }
+};
+
 // Load 8 consecutive elements as floats (16 bytes for bf16/fp16: one load;
 // 32 bytes for fp32: two loads).
 template <typename T>
-struct Vec8;
-template <>
-struct Vec8<__nv_bfloat16> {
-  static __device__ __forceinline__ void load(const __nv_bfloat16* p, float* f) {
-    uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+struct Vec8 {
+  static_assert(sizeof(T) == 2, "Vec8: 16-bit types here, float below");
+  static __device__ __forceinline__ void load(const T* p, float* f) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float2 t = __bfloat1622float2(h[i]);
-      f[2 * i] = t.x;
-      f[2 * i + 1] = t.y;
-    }
-  }
-};
-template <>
-struct Vec8<__half> {
-  static __device__ __forceinline__ void load(const __half* p, float* f) {
-    uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 t = __half22float2(h[i]);
+      const float2 t = Pair<T>::f32(w[i]);
       f[2 * i] = t.x;
       f[2 * i + 1] = t.y;
     }
@@ -457,109 +463,9 @@ __global__ void __launch_bounds__(kThreads) quant_flat_kernel(
 }
 
 // ---------------------------------------------------------------------------
-// Tile kernel: q (R, ldq >= C) and/or qt (C, ldqt >= R), padding columns
-// written as zero bytes. Tiles of 64 x 128 input elements; the transpose goes
-// through shared memory.
-template <typename T, bool kE5M2, int TR>
-__global__ void __launch_bounds__(kThreads, TR == 64 ? 4 : 3) quant_tile_kernel(
-    const T* __restrict__ x, long long R, long long C, bool vec, uint8_t* __restrict__ q, long long ldq,
-    uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
-  __shared__ unsigned smem[kRedWords];
-  __shared__ __align__(16) uint8_t tile[TR * kSmemStride];
-  const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
-  unsigned local = 0u;
-  const long long ntx = (ext_c + kTileC - 1) / kTileC;
-  const long long ntiles = ntx * ((ext_r + TR - 1) / TR);
-  // Persistent blocks: each walks several tiles, so the amax atomics and the
-  // last-block handshake happen once per block, not once per tile.
-  for (long long tile_id = blockIdx.x; tile_id < ntiles; tile_id += gridDim.x) {
-  const long long r0 = (tile_id / ntx) * TR;
-  const long long c0 = (tile_id % ntx) * kTileC;
-  constexpr int kIters = (TR * kTileC / 8) / kThreads;
-
-  // All loads of the tile first (several 16-byte loads in flight per thread),
-  // then convert, quantize and store.
-  Raw8<T> raw[kIters];
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int slot = threadIdx.x + it * kThreads;
-    const long long r = r0 + slot / (kTileC / 8);
-    const long long c = c0 + (slot % (kTileC / 8)) * 8;
-    raw[it].load_guarded(x, r, c, R, C, vec);
-  }
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int slot = threadIdx.x + it * kThreads;
-    const int lr = slot / (kTileC / 8);
-    const int lv = slot % (kTileC / 8);
-    const long long r = r0 + lr;
-    const long long c = c0 + lv * 8;
-    float e[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) e[i] = to_f32(raw[it].t[i]);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) local = max(local, abs_bits(e[i]));
-    uint2 o;
-    o.x = (unsigned)q2<kE5M2>(e[0], e[1], s) | ((unsigned)q2<kE5M2>(e[2], e[3], s) << 16);
-    o.y = (unsigned)q2<kE5M2>(e[4], e[5], s) | ((unsigned)q2<kE5M2>(e[6], e[7], s) << 16);
-    // Elements outside x are padding: exact zero bytes, whatever the scale.
-    if (!(r < R && c + 8 <= C)) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (!(r < R && c + i < C)) {
-          if (i < 4) o.x &= ~(0xffu << (8 * i));
-          else o.y &= ~(0xffu << (8 * (i - 4)));
-        }
-      }
-    }
-    if (q && r < R) {
-      if (c + 8 <= ldq && (ldq & 7) == 0) {
-        *reinterpret_cast<uint2*>(q + r * ldq + c) = o;
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          if (c + i < ldq) q[r * ldq + c + i] = (uint8_t)(((i < 4 ? o.x : o.y) >> (8 * (i & 3))) & 0xffu);
-      }
-    }
-    if (qt) *reinterpret_cast<uint2*>(tile + lr * kSmemStride + lv * 8) = o;
-  }
-
-  if (qt) {
-    __syncthreads();
-    // qt tile: kTileC output rows (input cols), TR bytes each = 4 chunks of 16.
-#pragma unroll
-    for (int it = 0; it < (kTileC * (TR / 16)) / kThreads; ++it) {
-      const int slot = threadIdx.x + it * kThreads;
-      const int k = slot / kTileC;  // chunk index: constant within a warp (no bank conflicts)
-      const int oc = slot % kTileC;
-      const long long orow = c0 + oc;   // row of qt = column of x
-      const long long ocol = r0 + k * 16;  // first column of qt = row of x
-      if (orow >= C) continue;
-      unsigned w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint8_t* col = tile + (k * 16 + 4 * j) * kSmemStride + oc;
-        w[j] = (unsigned)col[0] | ((unsigned)col[kSmemStride] << 8) | ((unsigned)col[2 * kSmemStride] << 16) |
-               ((unsigned)col[3 * kSmemStride] << 24);
-      }
-      if (ocol + 16 <= ldqt && (ldqt & 15) == 0) {
-        *reinterpret_cast<uint4*>(qt + orow * ldqt + ocol) = make_uint4(w[0], w[1], w[2], w[3]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-          if (ocol + i < ldqt) qt[orow * ldqt + ocol + i] = (uint8_t)((w[i >> 2] >> (8 * (i & 3))) & 0xffu);
-      }
-    }
-    __syncthreads();  // the next tile reuses the shared tile
-  }
-  }  // tiles
-  unsigned bm = block_reduce_max(local, smem);
-  block_done(bm, f, smem, gridDim.x);
-}
-
-// ---------------------------------------------------------------------------
-// Tile kernel, v2 (default): the same 64 x 128 tiles and outputs as
-// quant_tile_kernel, arranged for the transposed store. Each thread owns
+// Tile kernel, v2: q (R, ldq >= C) and/or qt (C, ldqt >= R), padding
+// columns written as zero bytes, in tiles of 64 x 128 input elements,
+// arranged for the transposed store. Each thread owns
 // 4 consecutive rows x 8 columns: it turns its four 8-byte fp8 rows into
 // eight 4-byte columns in registers (byte permutes), stores them as words
 // into a column-major shared tile (128 rows of qt x 64 bytes, 16-byte chunks
@@ -700,10 +606,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // quant_tile2_kernel's tiles, outputs and shared-memory transpose, with the
 // input tile brought in by cp.async into a double buffer, so that the next
 // tile's 16 KB are in flight while this one is quantized and stored.
-// kDownFirst (version 4): consecutive tiles go down a 128-column band, so
-// that blocks running together write neighbouring 64-byte pieces of the
-// same q_t rows (instead of neighbouring pieces of the same x rows).
-template <typename T, bool kE5M2, bool kDownFirst>
+template <typename T, bool kE5M2>
 __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
     const T* __restrict__ x, long long R, long long C, uint8_t* __restrict__ q, long long ldq,
     uint8_t* __restrict__ qt, long long ldqt, long long ext_r, long long ext_c, Finalize f) {
@@ -722,8 +625,8 @@ __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
   const long long ntx = (ext_c + kTileC - 1) / kTileC;
   const long long nty = (ext_r + TR - 1) / TR;
   const long long ntiles = ntx * nty;
-  auto row0 = [&](long long tile_id) { return (kDownFirst ? tile_id % nty : tile_id / ntx) * TR; };
-  auto col0 = [&](long long tile_id) { return (kDownFirst ? tile_id / nty : tile_id % ntx) * kTileC; };
+  auto row0 = [&](long long tile_id) { return (tile_id / ntx) * TR; };
+  auto col0 = [&](long long tile_id) { return (tile_id % ntx) * kTileC; };
   auto issue = [&](long long tile_id, int b) {
     const long long r0 = row0(tile_id);
     const long long c0 = col0(tile_id);
@@ -780,31 +683,20 @@ __device__ __forceinline__ unsigned max_u16x2(unsigned a, unsigned b) {
 #endif
 }
 
-// Two 16-bit elements packed in a word: to floats; the f32 bits of the larger
-// of two packed |x| values.
-template <typename T>
-struct Pair;
-template <>
-struct Pair<__nv_bfloat16> {
-  static __device__ __forceinline__ float2 f32(unsigned w) {
-    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-  }
-  static __device__ __forceinline__ unsigned amax_bits(unsigned m2) { return max(m2 & 0xffffu, m2 >> 16) << 16; }
-};
-template <>
-struct Pair<__half> {
-  static __device__ __forceinline__ float2 f32(unsigned w) {
-    __half2 h;
-    memcpy(&h, &w, sizeof(h));
-    return __half22float2(h);
-  }
-  static __device__ __forceinline__ unsigned amax_bits(unsigned m2) {
-    const unsigned short b = (unsigned short)max(m2 & 0xffffu, m2 >> 16);
-    return abs_bits(__half2float(__ushort_as_half(b)));
-  }
-};
-
 constexpr unsigned kAbs16x2 = 0x7fff7fffu;
+
+// A lean kernel's register transpose of four rows: lo[j] and hi[j] are the
+// fp8 bytes of row j (columns 0..3 and 4..7 of the lane's eight); column i
+// of the four rows goes to ot[i][jg] (row 0 in the low byte), the jg-th
+// 4-byte piece of the lane's 16-byte q_t store for column i.
+__device__ __forceinline__ void transpose_into(const unsigned (&lo)[4], const unsigned (&hi)[4], unsigned (&ot)[8][4],
+                                               int jg) {
+  unsigned w[8];
+  transpose4x4(lo[0], lo[1], lo[2], lo[3], w);
+  transpose4x4(hi[0], hi[1], hi[2], hi[3], w + 4);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ot[i][jg] = w[i];
+}
 
 // Which 64 x 64 tile a warp of a lean kernel takes. The block's eight warps
 // cover kRows x (8 / kRows) tiles of one "unit"; unit u is the block's
@@ -877,11 +769,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
         hi[jj] = (unsigned)q2<kE5M2>(c.x, c.y, s) | ((unsigned)q2<kE5M2>(d.x, d.y, s) << 16);
         if (q) *reinterpret_cast<uint2*>(q + (r0 + 4 * jg + jj) * C + c0) = make_uint2(lo[jj], hi[jj]);
       }
-      unsigned w[8];
-      transpose4x4(lo[0], lo[1], lo[2], lo[3], w);
-      transpose4x4(hi[0], hi[1], hi[2], hi[3], w + 4);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) ot[i][jg] = w[i];
+      transpose_into(lo, hi, ot, jg);
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -938,11 +826,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_f32_kernel(const float
           *reinterpret_cast<unsigned*>(row + 32) = hi[jj];
         }
       }
-      unsigned w[8];
-      transpose4x4(lo[0], lo[1], lo[2], lo[3], w);
-      transpose4x4(hi[0], hi[1], hi[2], hi[3], w + 4);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) ot[i][jg] = w[i];
+      transpose_into(lo, hi, ot, jg);
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -1054,14 +938,6 @@ int num_sms() {
   return n;
 }
 
-int tile_rows() {
-  static const int tr = [] {
-    const char* e = std::getenv("TORCH_OPS_QTILE_R");
-    return (e && std::string(e) == "128") ? 128 : 64;
-  }();
-  return tr;
-}
-
 // Whether the lean kernels may start early after the delayed pre-pass
 // (programmatic dependent launch: compute capability 9.0 or later;
 // TORCH_OPS_PDL=0 turns it off, read once; set_lean_options overrides it).
@@ -1113,11 +989,11 @@ void launch_maybe_early(void (*kernel)(Params...), unsigned blocks, cudaStream_t
 
 // Transposing tile kernel: 5 (default: quant_lean_kernel where it applies,
 // else as 3), 3 (quant_tile3_kernel where the input is 16-bit with 8-column
-// vector access, else quant_tile2_kernel), 4 (the same, tiles down the
-// column bands first), 2 (quant_tile2_kernel) or 1 (the first
-// quant_tile_kernel); from TORCH_OPS_QTILE=v1|v2|v3|v4|v5,
-// TORCH_OPS_QTILE_R=128 implies 1. Benchmarks and tests override it per
-// process with set_tile_version (bindings).
+// vector access, else quant_tile2_kernel) or 2 (quant_tile2_kernel); from
+// TORCH_OPS_QTILE=v2|v3|v5. Benchmarks and tests override it per process
+// with set_tile_version (bindings). Versions 1 (the first, shared-memory
+// transpose) and 4 (v3 with tiles down the column bands) were removed in
+// the tenth session: slower than v5 and reachable only by override.
 std::atomic<int> g_tile_override{0};
 // The lean kernels' grid (tiles per warp; 0: one resident wave) and block
 // layout (lean_tile's kRows: 1, 2 or 4 tile rows per block). Defaults 1 and
@@ -1154,9 +1030,9 @@ int tile_version() {
   static const int v = [] {
     const char* e = std::getenv("TORCH_OPS_QTILE");
     const std::string s = e ? e : "";
-    return s == "v1" ? 1 : (s == "v2" ? 2 : (s == "v3" ? 3 : (s == "v4" ? 4 : 5)));
+    return s == "v2" ? 2 : (s == "v3" ? 3 : 5);
   }();
-  return tile_rows() == 128 ? 1 : v;
+  return v;
 }
 
 // Resident blocks per SM of a kernel at kThreads threads (for grid sizes).
@@ -1315,7 +1191,6 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       // Cover the padded extents too, so that padding bytes get written.
       const long long ext_c = std::max<long long>(C, qp ? ldq : C);
       const long long ext_r = std::max<long long>(R, qtp ? ldqt : R);
-      const int tr = tile_rows();
       const int version = tile_version();
       // v5 where it applies: whole 64 x 64 tiles, no padding, aligned outputs.
       const bool lean = version == 5 && vec && qtp != nullptr && R % 64 == 0 && C % 64 == 0 && ldqt == R &&
@@ -1356,37 +1231,19 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       if constexpr (sizeof(T) == 2) {
         if (version >= 3 && vec) {
           const long long nt3 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
-          auto kernel = version == 4 ? (fmt == 1 ? quant_tile3_kernel<T, true, true> : quant_tile3_kernel<T, false, true>)
-                                     : (fmt == 1 ? quant_tile3_kernel<T, true, false> : quant_tile3_kernel<T, false, false>);
-          static const int per_sm = blocks_per_sm(kernel);  // same for all four
+          auto kernel = fmt == 1 ? quant_tile3_kernel<T, true> : quant_tile3_kernel<T, false>;
+          static const int per_sm = blocks_per_sm(kernel);  // same for both
           const unsigned nb3 = (unsigned)std::max<long long>(1, std::min<long long>(nt3, (long long)per_sm * num_sms()));
           kernel<<<nb3, kThreads, 0, stream>>>(xp, R, C, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
           return;
         }
       }
-      if (version >= 2) {
-        const long long nt2 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
-        const unsigned nb2 = (unsigned)std::max<long long>(1, std::min<long long>(nt2, 4LL * num_sms()));
-        if (fmt == 1)
-          quant_tile2_kernel<T, true><<<nb2, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
-        else
-          quant_tile2_kernel<T, false><<<nb2, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
-        return;
-      }
-      const long long ntiles = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + tr - 1) / tr);
-      const long long blocks = std::max<long long>(1, std::min<long long>(ntiles, (tr == 64 ? 4LL : 3LL) * num_sms()));
-      const unsigned nb = (unsigned)blocks;
-      if (tr == 64) {
-        if (fmt == 1)
-          quant_tile_kernel<T, true, 64><<<nb, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
-        else
-          quant_tile_kernel<T, false, 64><<<nb, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
-      } else {
-        if (fmt == 1)
-          quant_tile_kernel<T, true, 128><<<nb, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
-        else
-          quant_tile_kernel<T, false, 128><<<nb, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
-      }
+      const long long nt2 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
+      const unsigned nb2 = (unsigned)std::max<long long>(1, std::min<long long>(nt2, 4LL * num_sms()));
+      if (fmt == 1)
+        quant_tile2_kernel<T, true><<<nb2, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
+      else
+        quant_tile2_kernel<T, false><<<nb2, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
     }
   });
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());

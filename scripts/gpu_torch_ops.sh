@@ -78,8 +78,6 @@ fi
 if has qbench; then
   log "quantize benchmark"
   timeout 90 python3 benchmarks/quantize.py 2>&1 | tee "$OUT/bench_quantize.txt"
-  echo "TORCH_OPS_QTILE=v1 (previous tile kernel):" | tee -a "$OUT/bench_quantize.txt"
-  TORCH_OPS_QTILE=v1 timeout 90 python3 benchmarks/quantize.py 2>&1 | grep "^| ours" | tee -a "$OUT/bench_quantize.txt"
 fi
 
 if has tests; then
@@ -87,11 +85,6 @@ if has tests; then
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest ${TESTS:-tests/torch_ops} -q -p no:cacheprovider -rfE --tb=short \
     --timeout 150 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.txt" | tail -60
   log "tests done"
-  if [ -n "${TILE_V1_TESTS:-}" ]; then
-    TORCH_OPS_QTILE=v1 timeout 90 python3 -m pytest tests/torch_ops/test_torch_ops_kernels.py -q -p no:cacheprovider \
-      --tb=short -k "bytes or padded or delayed or current" 2>&1 | tee "$OUT/tests_tile_v1.txt" | tail -5
-    log "tile v1 tests done"
-  fi
 fi
 
 if has lbench; then
@@ -110,5 +103,4 @@ head -8 "$OUT/gdb.txt" 2>/dev/null
 grep -E "diff|relerr|linear ok" "$OUT/smoke.txt" 2>/dev/null | head -12
 grep -E "^\| " "$OUT/bench_quantize.txt" 2>/dev/null
 tail -3 "$OUT/tests.txt" 2>/dev/null
-echo "tile v1:"; tail -1 "$OUT/tests_tile_v1.txt" 2>/dev/null
 sed -n '/### summary/,$p' "$OUT/bench_linear.txt" 2>/dev/null
