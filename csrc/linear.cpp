@@ -15,13 +15,8 @@
 // then takes the Python path.
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-#include <cstdlib>
-#include <map>
-#include <mutex>
 #include <string>
 #include <typeinfo>
 
@@ -83,47 +78,6 @@ Q quant(const at::Tensor& x, const at::Tensor& hist, const at::Tensor& scale, in
                     false);
   }
   return o;
-}
-
-// The backward's two GEMMs side by side: dW on a second stream of the
-// device while dX runs on the current one, so that each fills the SMs the
-// other's last wave leaves idle (both read the one quantized gradient). On
-// for GEMMs of at least kOverlapMacs multiply-adds (below that the two
-// events' host time is the larger cost); TORCH_OPS_BWD_OVERLAP=0 (read once)
-// turns it off.
-constexpr double kOverlapMacs = 1ull << 34;
-
-bool overlap_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("TORCH_OPS_BWD_OVERLAP");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
-}
-
-// One side stream per device, taken from PyTorch's pool once (so that its
-// cuBLASLt workspace, kept per stream, is made once).
-c10::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
-  static std::mutex mu;
-  static std::map<int, c10::cuda::CUDAStream> streams;
-  std::lock_guard<std::mutex> lk(mu);
-  auto it = streams.find((int)device);
-  if (it == streams.end()) it = streams.emplace((int)device, c10::cuda::getStreamFromPool(false, device)).first;
-  return it->second;
-}
-
-// "b waits for what a has been given so far", through one of this thread's
-// two events per device (made once; an event may be recorded again as soon
-// as the wait on it is enqueued, eagerly and under CUDA-graph capture).
-void stream_wait(const c10::cuda::CUDAStream& a, const c10::cuda::CUDAStream& b, int which) {
-  struct Events {
-    cudaEvent_t e[2] = {nullptr, nullptr};
-  };
-  thread_local std::map<int, Events> events;
-  cudaEvent_t& ev = events[(int)a.device_index()].e[which];
-  if (!ev) TORCH_OPS_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-  TORCH_OPS_CUDA_CHECK(cudaEventRecord(ev, a.stream()));
-  TORCH_OPS_CUDA_CHECK(cudaStreamWaitEvent(b.stream(), ev, 0));
 }
 
 // Flags of one call, kept in the autograd context as one integer.
@@ -220,33 +174,12 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
       }
     } else if (need_dx || need_dw || record_grad || has_sink) {
       Q qg = quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, need_dw, record_grad, need_dx, dsink);
-      auto grad_w = [&] {
+      if (need_dx) dx = fp8_gemm(qg.q, sd["qwb"].toTensor(), qg.scale_used, sd["sw"].toTensor(), c10::nullopt,
+                                 x_dtype, false);
+      if (need_dw) {
         const at::Tensor qxt = sd["qxt"].toTensor(), sx = sd["sx"].toTensor();
-        return in_out ? fp8_gemm(qxt, qg.qt, sx, qg.scale_used, c10::nullopt, w_dtype, false)
-                      : fp8_gemm(qg.qt, qxt, qg.scale_used, sx, c10::nullopt, w_dtype, false);
-      };
-      const bool overlap = need_dx && need_dw && overlap_enabled() &&
-                           (double)g2d.size(0) * (double)g2d.size(1) * (double)sd["qwb"].toTensor().size(0) >=
-                               kOverlapMacs;
-      if (overlap) {
-        const c10::cuda::CUDAStream main = c10::cuda::getCurrentCUDAStream(g2d.get_device());
-        const c10::cuda::CUDAStream side = side_stream(g2d.get_device());
-        stream_wait(main, side, 0);  // the quantized gradient is written
-        {
-          const c10::cuda::CUDAStreamGuard guard(side);
-          dw = grad_w();
-        }
-        dx = fp8_gemm(qg.q, sd["qwb"].toTensor(), qg.scale_used, sd["sw"].toTensor(), c10::nullopt, x_dtype, false);
-        stream_wait(side, main, 1);
-        // dw was allocated on the side stream and is used on the main one
-        // from now on: its memory is not reused before the main stream's
-        // work on it is done. The operands, made on the main stream, are
-        // freed after the main stream has waited for the side stream.
-        dw.record_stream(main);
-      } else {
-        if (need_dx) dx = fp8_gemm(qg.q, sd["qwb"].toTensor(), qg.scale_used, sd["sw"].toTensor(), c10::nullopt,
-                                   x_dtype, false);
-        if (need_dw) dw = grad_w();
+        dw = in_out ? fp8_gemm(qxt, qg.qt, sx, qg.scale_used, c10::nullopt, w_dtype, false)
+                    : fp8_gemm(qg.qt, qxt, qg.scale_used, sx, c10::nullopt, w_dtype, false);
       }
     }
     if (need_db) {

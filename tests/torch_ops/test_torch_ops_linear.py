@@ -126,14 +126,12 @@ class LinearKernelTest(parameterized.TestCase):
         for u, v in zip(*sts):
             self.assertTrue(torch.equal(u, v))
 
-    # (min_gemm_size, bias, shape): the FP8 path; the small path on
-    # PyTorch's autograd with its state launch in the backward (no bias); the
-    # small path on LinearFn (a float32 bias with bf16 x); the FP8 path at a
-    # size where the backward's GEMMs run on two streams (2**34 multiply-adds).
-    @parameterized.parameters((0, True, (512, 256, 384)), (1 << 40, False, (512, 256, 384)),
-                              (1 << 40, True, (512, 256, 384)), (0, False, (4096, 2048, 2048)))
-    def test_cuda_graph_replay_equals_eager(self, mgs, bias, shape):
-        M, K, N = shape
+    # (min_gemm_size, bias): the FP8 path; the small path on PyTorch's
+    # autograd with its state launch in the backward (no bias); the small
+    # path on LinearFn (a float32 bias with bf16 x).
+    @parameterized.parameters((0, True), (1 << 40, False), (1 << 40, True))
+    def test_cuda_graph_replay_equals_eager(self, mgs, bias):
+        M, K, N = 512, 256, 384
         x, w, b, gy = make(M, K, N, bias=bias)
         steps = 3
         # eager reference
@@ -208,8 +206,7 @@ class LinearFastPathTest(parameterized.TestCase):
     (fp8_linear_python: bit-equal) and the emulation (state bit-equal)."""
 
     @parameterized.product(
-        # (4096, 2048, 2048): 2**34 multiply-adds, the backward's GEMMs on two streams.
-        mkn=[(17, 9, 33), (300, 64, 48), (1000, 512, 300), (4096, 2048, 2048)],
+        mkn=[(17, 9, 33), (300, 64, 48), (1000, 512, 300)],
         layout=["out_in", "in_out"],
         fmt=["hybrid", "e4m3"],
         mgs=[0, 1 << 40],
