@@ -70,6 +70,16 @@ class FP8EinsumDenseTest(parameterized.TestCase):
         clone = FP8EinsumDense.from_config(layer.get_config())
         self.assertEqual(clone.get_config(), layer.get_config())
 
+    def test_wrong_input_shape_names_inputs(self):
+        layer = FP8EinsumDense("abc,cd->abd", (None, 8), dtype="fp8_hybrid")
+        layer(rng_normal((2, 5, 16), 0))
+        with self.assertRaisesRegex(ValueError, r"inputs: expected 3 axes.*\(16,\).*\(2, 4, 8\)"):
+            layer(rng_normal((2, 4, 8), 1))
+        with self.assertRaisesRegex(ValueError, r"ndim=3"):  # Keras's input spec
+            layer(rng_normal((2, 5, 4, 16), 1))
+        with self.assertRaisesRegex(ValueError, r"inputs: expected 3 axes.*\(2, 5, 4, 16\)"):
+            layer.call(rng_normal((2, 5, 4, 16), 1))  # without __call__'s checks
+
     def test_integer_input(self):
         layer = FP8EinsumDense("ab,bc->ac", (4,), dtype="fp8_hybrid")
         with self.assertRaisesRegex(ValueError, "floating-point"):

@@ -58,10 +58,18 @@ class MatmulPlan:
 
     def call(self, matmul, x, kernel):
         """Runs `matmul(x2d, kernel2d)` and reshapes back to the output."""
-        x_t = ops.transpose(x, self.x_perm)
+        in_shape = tuple(ops.shape(x))
         kernel_t = ops.transpose(kernel, self.kernel_perm)
-        x_shape = tuple(ops.shape(x_t))
         kernel_shape = tuple(kernel_t.shape)
+        contracted = tuple(in_shape[i] for i in self.x_perm[self.n_free_x :])
+        if len(in_shape) != len(self.x_perm) or contracted != kernel_shape[: self.n_contracted]:
+            raise ValueError(
+                f"inputs: expected {len(self.x_perm)} axes whose contracted "
+                f"sizes match the kernel's {kernel_shape[: self.n_contracted]}, "
+                f"got shape {in_shape}"
+            )
+        x_t = ops.transpose(x, self.x_perm)
+        x_shape = tuple(ops.shape(x_t))
         k = math.prod(kernel_shape[: self.n_contracted])
         n = math.prod(kernel_shape[self.n_contracted :])
         y = matmul(ops.reshape(x_t, (-1, k)), ops.reshape(kernel_t, (k, n)))
