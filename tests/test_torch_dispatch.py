@@ -256,6 +256,12 @@ class FastCallTest(parameterized.TestCase):
         ("dense_rank4_small_gemm", lambda: FP8Dense(24, dtype="fp8_hybrid[history_len=4]"), (2, 3, 4, 32)),
         ("dense_no_bias_e4m3", lambda: FP8Dense(24, use_bias=False, dtype="fp8_e4m3[history_len=4]",
                                                 min_gemm_size=0), (16, 32)),
+        ("einsum_heads_bias", lambda: FP8EinsumDense("abc,cde->abde", (None, 4, 6), bias_axes="de",
+                                                     dtype="fp8_hybrid[history_len=4]", min_gemm_size=0),
+         (2, 8, 32)),
+        ("einsum_out_proj_gelu", lambda: FP8EinsumDense("abcd,cde->abe", (None, 24), activation="gelu",
+                                                        dtype="fp8_hybrid[history_len=4]", min_gemm_size=0),
+         (2, 8, 4, 8)),
     )
     def test_fast_path_equals_keras_call(self, make, shape):
         import torch

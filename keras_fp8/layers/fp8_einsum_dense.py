@@ -126,6 +126,12 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         super().build(input_shape)
         self._build_fp8_state()
 
+    def _fast_call_accepts(self, x):
+        # Keras's input spec (the equation's rank); the plan checks the
+        # contracted sizes itself.
+        plan = getattr(self, "_plan", None)
+        return plan is not None and x.dim() == len(plan.x_perm)
+
     def call(self, inputs, training=None):
         recipe = self._fp8_call_recipe(inputs)
         if recipe is None:
