@@ -16,11 +16,14 @@ from . import _build
 from . import _ops  # registers torch.ops.torch_ops.*
 from .fold import fold_pending_grad_amax
 from .linear import DEFAULT_MIN_GEMM_SIZE, FP8LinearState, fp8_linear
+from .module import FP8Linear, convert_to_fp8
 
 __all__ = [
     "DEFAULT_MIN_GEMM_SIZE",
+    "FP8Linear",
     "FP8LinearState",
     "build",
+    "convert_to_fp8",
     "emulation",
     "fp8_gemm",
     "fp8_linear",

@@ -1,0 +1,170 @@
+"""FP8Linear: an ``nn.Linear`` whose matmuls run through ``fp8_linear``.
+
+For plain PyTorch models: the layer keeps its FP8 scaling state as float32
+buffers (so ``state_dict`` checkpoints hold it and ``.to(device)`` moves it),
+and ``convert_to_fp8`` swaps the ``nn.Linear`` layers of a model for it in
+place, keeping their parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .linear import FP8LinearState, fp8_linear
+
+_STATE_NAMES = tuple(f.name for f in dataclasses.fields(FP8LinearState))
+_FORMATS = ("hybrid", "e4m3")
+_SCALINGS = ("delayed", "current")
+_ALGOS = ("max", "most_recent")
+
+
+class FP8Linear(torch.nn.Linear):
+    """``nn.Linear`` with FP8 GEMMs and delayed (or current) scaling.
+
+    Forward and backward are ``torch_ops.fp8_linear`` (the compiled kernels on
+    an FP8 GPU, the exact emulation elsewhere). The six state tensors of
+    ``FP8LinearState`` are buffers of this module, kept in float32 whatever
+    dtype the module is cast to, and moved with its weight. In ``train()``
+    mode a call records the amaxes and publishes the next scales; in
+    ``eval()`` mode it uses the current scales and records nothing.
+
+    Args:
+        in_features, out_features, bias, device, dtype: As in ``nn.Linear``.
+        history_len: Length of each amax history (default 1024).
+        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradient) or ``"e4m3"``.
+        scaling: ``"delayed"`` or ``"current"``.
+        margin: Scale margin (powers of two).
+        amax_compute_algo: ``"max"`` or ``"most_recent"``.
+        min_gemm_size: ``M*N*K`` below which the GEMMs run in the compute
+            dtype while the FP8 state is still kept (None: the library's
+            default, ``torch_ops.DEFAULT_MIN_GEMM_SIZE``).
+
+    Example:
+
+    >>> layer = torch_ops.FP8Linear(64, 32)
+    >>> y = layer(torch.randn(8, 64))
+    >>> sorted(k for k in layer.state_dict() if "scale" in k)
+    ['grad_scale', 'input_scale', 'kernel_scale']
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, history_len=1024,
+                 fp8_format="hybrid", scaling="delayed", margin=0.0, amax_compute_algo="max", min_gemm_size=None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        if fp8_format not in _FORMATS:
+            raise ValueError(f"fp8_format: expected one of {_FORMATS}, got {fp8_format!r}")
+        if scaling not in _SCALINGS:
+            raise ValueError(f"scaling: expected one of {_SCALINGS}, got {scaling!r}")
+        if amax_compute_algo not in _ALGOS:
+            raise ValueError(f"amax_compute_algo: expected one of {_ALGOS}, got {amax_compute_algo!r}")
+        if min_gemm_size is not None and int(min_gemm_size) < 0:
+            raise ValueError(f"min_gemm_size: expected None or >= 0, got {min_gemm_size!r}")
+        state = FP8LinearState.create(history_len, device=self.weight.device)
+        for name, t in zip(_STATE_NAMES, state.tensors()):
+            self.register_buffer(name, t)
+        self.fp8_format = fp8_format
+        self.scaling = scaling
+        self.margin = float(margin)
+        self.amax_compute_algo = amax_compute_algo
+        self.min_gemm_size = min_gemm_size
+        self._state = state
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, **kwargs) -> "FP8Linear":
+        """An ``FP8Linear`` sharing ``linear``'s weight and bias Parameters
+        (an optimizer holding them keeps working). ``kwargs``: the FP8
+        arguments of the constructor."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        history_len = kwargs.get("history_len", 1024)
+        state = FP8LinearState.create(history_len, device=linear.weight.device)
+        for name, t in zip(_STATE_NAMES, state.tensors()):
+            new._buffers[name] = t
+        new._state = state
+        new.train(linear.training)
+        return new
+
+    def _fp8_state(self) -> FP8LinearState:
+        # The state object over the buffers as they are now (load_state_dict
+        # copies into them; assigning a buffer replaces it).
+        b = self._buffers
+        st = self._state
+        if any(getattr(st, name) is not b[name] for name in _STATE_NAMES):
+            st = self._state = FP8LinearState(*(b[name] for name in _STATE_NAMES))
+        return st
+
+    def _apply(self, fn, recurse=True):
+        # The state stays float32 (a cast of the module must not round the
+        # histories and scales) and follows the weight's device.
+        saved = {name: self._buffers[name] for name in _STATE_NAMES}
+        for name in _STATE_NAMES:
+            self._buffers[name] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            device = self.weight.device
+            for name, t in saved.items():
+                if t.device == device:
+                    self._buffers[name] = t
+                elif t.is_meta:  # to_empty() from meta: a fresh state (scales 1, empty histories)
+                    fresh = torch.ones if name.endswith("_scale") else torch.zeros
+                    self._buffers[name] = fresh(t.shape, dtype=torch.float32, device=device)
+                else:
+                    self._buffers[name] = t.to(device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, state=self._fp8_state(), fp8_format=self.fp8_format,
+                          scaling=self.scaling, margin=self.margin, amax_compute_algo=self.amax_compute_algo,
+                          training=self.training, min_gemm_size=self.min_gemm_size)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, fp8_format={self.fp8_format!r}, scaling={self.scaling!r}, "
+                f"history_len={self.input_amax_history.shape[0]}")
+
+
+def convert_to_fp8(module: torch.nn.Module, *, filter_fn=None, **kwargs) -> torch.nn.Module:
+    """Replaces the ``nn.Linear`` layers of ``module`` by ``FP8Linear`` in place.
+
+    Each new layer shares its predecessor's weight and bias Parameters, so
+    outputs are unchanged up to FP8 rounding and an optimizer built before
+    the conversion keeps working.
+
+    Args:
+        module: The model (or a single ``nn.Linear``, which is returned
+            converted).
+        filter_fn: Optional ``fn(fully_qualified_name, linear) -> bool``;
+            layers for which it returns False stay as they are (e.g. keep
+            the output projection in bf16).
+        **kwargs: The FP8 arguments of ``FP8Linear``.
+
+    Returns:
+        ``module`` (converted in place), or the new ``FP8Linear`` when
+        ``module`` itself is an ``nn.Linear``.
+
+    Example:
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    >>> model = torch_ops.convert_to_fp8(model, filter_fn=lambda name, m: m.out_features != 10)
+    >>> [type(m).__name__ for m in model]
+    ['FP8Linear', 'ReLU', 'Linear']
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+
+    def wanted(name, m):
+        return type(m) is torch.nn.Linear and (filter_fn is None or filter_fn(name, m))
+
+    if wanted("", module):
+        return FP8Linear.from_linear(module, **kwargs)
+    for name, parent in list(module.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if wanted(full, child):
+                setattr(parent, child_name, FP8Linear.from_linear(child, **kwargs))
+    return module
