@@ -93,6 +93,8 @@ class FP8Linear(torch.nn.Linear):
         # The state object over the buffers as they are now (load_state_dict
         # copies into them; assigning a buffer replaces it).
         b = self._buffers
+        if torch.compiler.is_compiling():  # no attribute writes in a traced graph
+            return FP8LinearState(*(b[name] for name in _STATE_NAMES))
         st = self._state
         if any(getattr(st, name) is not b[name] for name in _STATE_NAMES):
             st = self._state = FP8LinearState(*(b[name] for name in _STATE_NAMES))

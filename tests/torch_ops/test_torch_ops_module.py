@@ -7,7 +7,6 @@ through the exact emulation (CPU CI).
 import copy
 import io
 
-import pytest
 import torch
 from absl.testing import parameterized
 
@@ -151,7 +150,6 @@ class ConvertTest(parameterized.TestCase):
         with self.assertRaisesRegex(TypeError, "module: expected a torch.nn.Module"):
             torch_ops.convert_to_fp8("model")
 
-    @pytest.mark.skipif(DEV != "cuda", reason="torch.compile of the FP8 kernels: needs an FP8 GPU")
     def test_compile_fullgraph_equals_eager(self):
         torch.manual_seed(0)
         eager = torch_ops.FP8Linear(256, 128, device=DEV, history_len=4, min_gemm_size=0)
