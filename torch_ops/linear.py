@@ -183,6 +183,17 @@ _LAYOUTS = ("out_in", "in_out")
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def check_options(fp8_format, scaling, amax_compute_algo):
+    """Raises ValueError naming the first of fp8_linear's options that is not
+    one of its accepted values (also FP8Linear's constructor check)."""
+    if fp8_format not in _FORMATS:
+        raise ValueError(f"fp8_format: expected one of {_FORMATS}, got {fp8_format!r}")
+    if scaling not in _SCALINGS:
+        raise ValueError(f"scaling: expected one of {_SCALINGS}, got {scaling!r}")
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"amax_compute_algo: expected 'max' or 'most_recent', got {amax_compute_algo!r}")
+
+
 def _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout, grad_amax_sink):
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise ValueError(f"x: expected a tensor of rank >= 2, got {getattr(x, 'shape', type(x))}")
@@ -194,12 +205,7 @@ def _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weigh
         raise TypeError(f"weight: expected bfloat16, float16 or float32, got {weight.dtype}")
     if weight.device != x.device:
         raise ValueError(f"weight: expected device {x.device}, got {weight.device}")
-    if fp8_format not in _FORMATS:
-        raise ValueError(f"fp8_format: expected one of {_FORMATS}, got {fp8_format!r}")
-    if scaling not in _SCALINGS:
-        raise ValueError(f"scaling: expected one of {_SCALINGS}, got {scaling!r}")
-    if amax_compute_algo not in ("max", "most_recent"):
-        raise ValueError(f"amax_compute_algo: expected 'max' or 'most_recent', got {amax_compute_algo!r}")
+    check_options(fp8_format, scaling, amax_compute_algo)
     if weight_layout not in _LAYOUTS:
         raise ValueError(f"weight_layout: expected one of {_LAYOUTS}, got {weight_layout!r}")
     K = x.shape[-1]

@@ -12,12 +12,9 @@ import dataclasses
 
 import torch
 
-from .linear import FP8LinearState, fp8_linear
+from .linear import FP8LinearState, check_options, fp8_linear
 
 _STATE_NAMES = tuple(f.name for f in dataclasses.fields(FP8LinearState))
-_FORMATS = ("hybrid", "e4m3")
-_SCALINGS = ("delayed", "current")
-_ALGOS = ("max", "most_recent")
 
 
 class FP8Linear(torch.nn.Linear):
@@ -52,22 +49,21 @@ class FP8Linear(torch.nn.Linear):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, history_len=1024,
                  fp8_format="hybrid", scaling="delayed", margin=0.0, amax_compute_algo="max", min_gemm_size=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        if fp8_format not in _FORMATS:
-            raise ValueError(f"fp8_format: expected one of {_FORMATS}, got {fp8_format!r}")
-        if scaling not in _SCALINGS:
-            raise ValueError(f"scaling: expected one of {_SCALINGS}, got {scaling!r}")
-        if amax_compute_algo not in _ALGOS:
-            raise ValueError(f"amax_compute_algo: expected one of {_ALGOS}, got {amax_compute_algo!r}")
+        check_options(fp8_format, scaling, amax_compute_algo)
         if min_gemm_size is not None and int(min_gemm_size) < 0:
             raise ValueError(f"min_gemm_size: expected None or >= 0, got {min_gemm_size!r}")
-        state = FP8LinearState.create(history_len, device=self.weight.device)
-        for name, t in zip(_STATE_NAMES, state.tensors()):
-            self.register_buffer(name, t)
+        self._set_fresh_state(history_len, self.weight.device)
         self.fp8_format = fp8_format
         self.scaling = scaling
         self.margin = float(margin)
         self.amax_compute_algo = amax_compute_algo
         self.min_gemm_size = min_gemm_size
+
+    def _set_fresh_state(self, history_len, device):
+        # Scales 1, empty histories: the state buffers and the object over them.
+        state = FP8LinearState.create(history_len, device=device)
+        for name, t in zip(_STATE_NAMES, state.tensors()):
+            self.register_buffer(name, t)
         self._state = state
 
     @classmethod
@@ -81,11 +77,7 @@ class FP8Linear(torch.nn.Linear):
             new = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
         new.weight = linear.weight
         new.bias = linear.bias
-        history_len = kwargs.get("history_len", 1024)
-        state = FP8LinearState.create(history_len, device=linear.weight.device)
-        for name, t in zip(_STATE_NAMES, state.tensors()):
-            new._buffers[name] = t
-        new._state = state
+        new._set_fresh_state(new.input_amax_history.shape[0], linear.weight.device)
         new.train(linear.training)
         return new
 
@@ -110,14 +102,12 @@ class FP8Linear(torch.nn.Linear):
             super()._apply(fn, recurse)
         finally:
             device = self.weight.device
-            for name, t in saved.items():
-                if t.device == device:
-                    self._buffers[name] = t
-                elif t.is_meta:  # to_empty() from meta: a fresh state (scales 1, empty histories)
-                    fresh = torch.ones if name.endswith("_scale") else torch.zeros
-                    self._buffers[name] = fresh(t.shape, dtype=torch.float32, device=device)
-                else:
-                    self._buffers[name] = t.to(device)
+            history = saved["input_amax_history"]
+            if history.is_meta and device.type != "meta":  # to_empty() from meta
+                self._set_fresh_state(history.shape[0], device)
+            else:
+                for name, t in saved.items():
+                    self._buffers[name] = t.to(device)  # the same tensor where it is already there
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,9 +154,12 @@ def convert_to_fp8(module: torch.nn.Module, *, filter_fn=None, **kwargs) -> torc
 
     if wanted("", module):
         return FP8Linear.from_linear(module, **kwargs)
+    converted = {}  # a layer used in two places stays one layer, with one state
     for name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if wanted(full, child):
-                setattr(parent, child_name, FP8Linear.from_linear(child, **kwargs))
+            if id(child) in converted or wanted(full, child):
+                if id(child) not in converted:
+                    converted[id(child)] = FP8Linear.from_linear(child, **kwargs)
+                setattr(parent, child_name, converted[id(child)])
     return module

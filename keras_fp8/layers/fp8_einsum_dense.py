@@ -133,10 +133,9 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         self._build_fp8_state()
 
     def _fast_call_accepts(self, x):
-        # Keras's input spec (the equation's rank); the plan checks the
-        # contracted sizes itself.
-        plan = getattr(self, "_plan", None)
-        return plan is not None and x.dim() == len(plan.x_perm)
+        # Keras's input spec (the equation's rank; asked only of a built
+        # layer); the plan checks the contracted sizes itself.
+        return x.dim() == len(self._plan.x_perm)
 
     def call(self, inputs, training=None):
         recipe = self._fp8_call_recipe(inputs)

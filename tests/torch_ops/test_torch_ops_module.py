@@ -142,6 +142,13 @@ class ConvertTest(parameterized.TestCase):
         self.assertFalse(torch.equal(model[0].inner[0].weight, w0))  # the old optimizer updates the new layer
         self.assertGreater(float(model[0].inner[0].grad_amax_history[0]), 0.0)
 
+    def test_a_layer_used_twice_stays_one_layer(self):
+        shared = torch.nn.Linear(8, 8, device=DEV)
+        model = torch.nn.ModuleDict({"a": torch.nn.Sequential(shared), "b": torch.nn.Sequential(shared)})
+        torch_ops.convert_to_fp8(model)
+        self.assertIsInstance(model["a"][0], torch_ops.FP8Linear)
+        self.assertIs(model["a"][0], model["b"][0])
+
     def test_a_single_linear_is_returned_converted(self):
         lin = torch.nn.Linear(8, 8, device=DEV)
         new = torch_ops.convert_to_fp8(lin)
