@@ -116,6 +116,15 @@ class FP8LinearTest(parameterized.TestCase):
         with self.assertRaisesRegex(TypeError, "linear: expected a torch.nn.Linear"):
             torch_ops.FP8Linear.from_linear(torch.nn.ReLU())
 
+    def test_bad_inputs_are_named(self):
+        layer = torch_ops.FP8Linear(8, 4, device=DEV)
+        with self.assertRaisesRegex(ValueError, "does not match x's last dimension 5"):
+            layer(torch.randn(2, 5, device=DEV))
+        with self.assertRaisesRegex(TypeError, "x: expected bfloat16, float16 or float32"):
+            layer(torch.ones(2, 8, dtype=torch.int32, device=DEV))
+        with self.assertRaisesRegex(ValueError, "x: expected a tensor of rank >= 2"):
+            layer(torch.randn(8, device=DEV))
+
 
 class ConvertTest(parameterized.TestCase):
     def test_converts_in_place_with_a_filter(self):
