@@ -64,7 +64,10 @@ def main(argv=None):
 
     # (name, fn, bytes, setup): setup is the transposing kernel version (None:
     # the default), or (version, tiles per warp, tile rows per block,
-    # programmatic launch) for the lean kernel's options (set_lean_options).
+    # programmatic launch, pre-pass) for the lean kernel's options
+    # (set_lean_options; set_delayed_prepass: 1 a pre-pass finds delayed
+    # scaling's scale, 0 the lean kernel checks the history itself, -1 the
+    # default).
     variants = [
         ("device copy (x.clone())", lambda: x.clone(), 2 * n * 2, None),
         ("eager torch: amax + scale + cast + transpose", eager, 2 * n + n + n, None),
@@ -75,15 +78,19 @@ def main(argv=None):
         ("ours: the same, tile kernel v2 (register loads)", delayed_t, 2 * n + 2 * n, 2),
         ("ours: the same, tile kernel v3 (cp.async double buffer)", delayed_t, 2 * n + 2 * n, 3),
         ("ours: the same, tile kernel v5 (lean: registers only, a 64x64 tile per warp, 2 x 4 per block)", delayed_t, 2 * n + 2 * n, 5),
-        ("ours: v5, no programmatic launch after the pre-pass", delayed_t, 2 * n + 2 * n, (5, 1, 2, 0)),
-        ("ours: v5 before the ninth session: 2 tiles per warp, 8 side by side, no programmatic launch",
-         delayed_t, 2 * n + 2 * n, (5, 2, 1, 0)),
-        ("ours: v5, 2 tiles per warp, 8 side by side", delayed_t, 2 * n + 2 * n, (5, 2, 1, -1)),
-        ("ours: v5, blocks of 4 x 2 tiles", delayed_t, 2 * n + 2 * n, (5, 1, 4, -1)),
+        ("ours: v5 with a pre-pass for the scale (before the eleventh session)", delayed_t, 2 * n + 2 * n,
+         (5, 1, 2, -1, 1)),
+        ("ours: v5, a pre-pass, no programmatic launch after it", delayed_t, 2 * n + 2 * n, (5, 1, 2, 0, 1)),
+        ("ours: v5, history checked in the kernel, fallback launch not early", delayed_t, 2 * n + 2 * n,
+         (5, 1, 2, 0, 0)),
+        ("ours: v5 before the ninth session: 2 tiles per warp, 8 side by side, a pre-pass, no programmatic launch",
+         delayed_t, 2 * n + 2 * n, (5, 2, 1, 0, 1)),
+        ("ours: v5, 2 tiles per warp, 8 side by side", delayed_t, 2 * n + 2 * n, (5, 2, 1, -1, -1)),
+        ("ours: v5, blocks of 4 x 2 tiles", delayed_t, 2 * n + 2 * n, (5, 1, 4, -1, -1)),
         ("ours: float32 x (a master weight), q + q_t, tile kernel v2 (before v5)", delayed_t32, 4 * n + 2 * n, 2),
         ("ours: float32 x (a master weight), q + q_t, tile kernel v5 (lean)", delayed_t32, 4 * n + 2 * n, 5),
-        ("ours: float32 x, v5 before the ninth session (2 tiles per warp, 8 side by side, no programmatic launch)",
-         delayed_t32, 4 * n + 2 * n, (5, 2, 1, 0)),
+        ("ours: float32 x, v5 with a pre-pass (before the eleventh session)", delayed_t32, 4 * n + 2 * n,
+         (5, 1, 2, -1, 1)),
         ("ours: quantize_delayed, q + amax + history (no transpose)",
          lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n, None),
         ("ours: amax + history only (no fp8 output)",
@@ -100,15 +107,16 @@ def main(argv=None):
     print("| variant | us (graph) | bytes (min) | TB/s | eager us |")
     print("|---|---|---|---|---|")
     for name, fn, nbytes, setup in variants:
-        version, *lean = setup if isinstance(setup, tuple) else (setup, 1, 2, -1)
+        version, *lean, prepass = setup if isinstance(setup, tuple) else (setup, 1, 2, -1, -1)
         prev = ext.set_tile_version(version or 0)
-        prev_lean = ext.set_lean_options(*lean)
+        prev_lean, prev_prepass = ext.set_lean_options(*lean), ext.set_delayed_prepass(prepass)
         try:
             ms = bench_graph(fn)
             ms_e = bench(fn, a.iters)
         finally:
             ext.set_tile_version(prev)
             ext.set_lean_options(*prev_lean)
+            ext.set_delayed_prepass(prev_prepass)
         print(f"| {name} | {ms * 1e3:.1f} | {nbytes / 1e6:.0f} MB | {nbytes / (ms * 1e-3) / 1e12:.2f} | {ms_e * 1e3:.1f} |")
 
 

@@ -17,6 +17,7 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
                      long long ldq, const at::Tensor& qt, long long ldqt, int algo, double mdiv, bool skip_zero);
 int set_tile_version(int version);
 std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int rows, int pdl);
+int set_delayed_prepass(int mode);
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt, int algo,
                         double mdiv, bool skip_zero);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
@@ -137,6 +138,13 @@ std::tuple<int, int, int> set_lean_options(int64_t tiles_per_warp, int64_t rows,
   return torch_ops::set_lean_options((int)tiles_per_warp, (int)rows, (int)pdl);
 }
 
+int set_delayed_prepass(int64_t mode) {
+  TORCH_CHECK_VALUE(mode >= -1 && mode <= 1,
+                    "mode: expected -1 (as TORCH_OPS_DELAYED_PREPASS says), 0 (the history checked in the kernel) or "
+                    "1 (a pre-pass), got ", std::to_string(mode));
+  return torch_ops::set_delayed_prepass((int)mode);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -153,6 +161,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tiles_per_warp (default 1; 0: one resident wave), rows (tile rows per block: 1, 2 or 4; default 2), "
         "pdl (programmatic launch after the pre-pass on sm_90: 1 on, 0 off, -1 TORCH_OPS_PDL): the lean quantize "
         "kernels' launch, for benchmarks -> previous (tiles_per_warp, rows, pdl)");
+  m.def("set_delayed_prepass", &set_delayed_prepass,
+        "mode (-1 TORCH_OPS_DELAYED_PREPASS, 0 the lean kernels check the history themselves, 1 a pre-pass): "
+        "delayed scaling's seed check in this process -> previous override");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
   m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "

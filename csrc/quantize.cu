@@ -156,6 +156,17 @@ struct Finalize {
   const float* seed_history;  // mode 1: the history as it was before this call
   long long seed_H;
   float* scale_used_out;
+  // Delayed scaling without a pre-pass (the lean kernels, seed_mode 1):
+  // 0: off (scale_used is given or comes from a pre-pass);
+  // 1: the main launch: each warp reads the history itself; not empty (every
+  //    call after the first): it quantizes with *prev_scale, the state's
+  //    scale, and the last block finalizes as usual; empty: no fp8 output,
+  //    the last block only publishes the amax in `seed` for the fallback;
+  // 2: the fallback launched after it: returns at once unless `seed` says the
+  //    history was empty, else quantizes with the scale seeded from that amax
+  //    and finalizes (then clears `seed`).
+  int split = 0;
+  unsigned* seed = nullptr;  // [0] amax bits, [1] 1 when the fallback must run (zero otherwise)
 };
 
 // (window * f32(1/fmax)) * f32(2**-margin); `mdiv` carries 2**-margin.
@@ -305,6 +316,58 @@ __device__ bool finalize_one_pass(float amax, const Finalize& f, unsigned* smem)
   return true;
 }
 
+// Programmatic dependent launch (sm_90 and later): the delayed pre-pass lets
+// the lean quantize kernel launched after it start at once; that kernel
+// issues its first loads (x is complete: the pre-pass, launched normally,
+// started after x's producer finished) and waits for the pre-pass's grid
+// to complete and its writes to be visible before it reads scale_used.
+// Without a pre-pass (Finalize::split), the lean kernel's fallback launch
+// is the early one: resident before the main launch ends, it waits for it
+// and (nearly always) returns at once.
+// Both instructions do nothing where the launch did not ask for it.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Whether every entry of the history is +-0 (the seed rule: max(history) ==
+// 0, as the pre-pass and finalize_one_pass read it); the same answer in
+// every lane of the warp. The newest entry first: nonzero on nearly every
+// call after the first, then nothing else is read.
+__device__ __forceinline__ bool history_empty(const float* h, long long H) {
+  if (H > 0 && abs_bits(h[0])) return false;
+  unsigned nonzero = 0u;
+  for (long long i = threadIdx.x & 31; i < H; i += 32) nonzero |= abs_bits(h[i]);
+  return !__any_sync(0xffffffffu, nonzero != 0u);
+}
+
+// The scale a lean kernel's warp quantizes with, and whether it writes fp8
+// output at all (false: the split main launch found the history empty).
+__device__ __forceinline__ float lean_scale(const Finalize& f, bool& write) {
+  write = true;
+  if (f.split == 0) return *f.scale_used;
+  const float prev = *f.prev_scale;
+  if (f.split == 2) return compute_scale(__uint_as_float(f.seed[0]), prev, f.fmax, f.mdiv);
+  write = !history_empty(f.seed_history, f.seed_H);
+  return prev;
+}
+
+// The split fallback launch (Finalize::split == 2): after the main launch
+// has completed, whether this launch has anything to do (the same answer in
+// every thread). Other launches: true.
+__device__ __forceinline__ bool lean_fallback_needed(const Finalize& f) {
+  if (f.split != 2) return true;
+  pdl_wait();
+  return *reinterpret_cast<volatile unsigned*>(f.seed + 1) != 0u;
+}
+
 // Called by every block at its end with the block's amax bits (thread 0's
 // value is the block max). The last block finalizes.
 __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem, unsigned nblocks) {
@@ -319,6 +382,17 @@ __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem
   if (!is_last) return;
   __threadfence();
   float amax = __uint_as_float(atomicAdd(&f.ws[0], 0u));
+  if (f.split == 1 && history_empty(f.seed_history, f.seed_H)) {
+    // Nothing was quantized: the fallback launch seeds the scale from this
+    // amax and does the whole call (amax_out, history and scales included).
+    if (threadIdx.x == 0) {
+      f.seed[0] = __float_as_uint(amax);
+      f.seed[1] = 1u;
+      f.ws[0] = 0u;
+      f.ws[1] = 0u;
+    }
+    return;
+  }
   if (threadIdx.x == 0 && f.amax_out) *f.amax_out = amax;
   if (!finalize_one_pass(amax, f, smem)) {
     if (f.seed_mode) {
@@ -341,25 +415,12 @@ __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem
   if (threadIdx.x == 0) {
     f.ws[0] = 0u;
     f.ws[1] = 0u;
+    if (f.split == 2) {
+      // Every block of this launch read the flag before it counted itself in.
+      f.seed[0] = 0u;
+      f.seed[1] = 0u;
+    }
   }
-}
-
-// Programmatic dependent launch (sm_90 and later): the delayed pre-pass lets
-// the lean quantize kernel launched after it start at once; that kernel
-// issues its first loads (x is complete: the pre-pass, launched normally,
-// started after x's producer finished) and waits for the pre-pass's grid
-// to complete and its writes to be visible before it reads scale_used.
-// Both instructions do nothing where the launch did not ask for it.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
 }
 
 // ---------------------------------------------------------------------------
@@ -731,13 +792,15 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
                                                                  Finalize f) {
   static_assert(sizeof(T) == 2, "quant_lean_kernel: 16-bit inputs");
   __shared__ unsigned smem[kRedWords];
+  if (!lean_fallback_needed(f)) return;
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int lv = lane & 7, gq = lane >> 3;
   const unsigned nunits = (ntiles + 7u) / 8u;
   const long long row_vecs = C / 8;
   unsigned m2 = 0u;
   float s = 0.0f;
-  bool waited = false;
+  bool waited = false, write = true;
   for (unsigned u = blockIdx.x; u < nunits; u += gridDim.x) {
     long long tile_r, tile_c;
     if (!lean_tile<kRows>(u, tiles_c, ntiles, tile_r, tile_c)) break;
@@ -750,9 +813,10 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
     if (!waited) {
       // x is complete before this kernel starts; only scale_used may still be
       // in the making (a programmatic launch after the pre-pass): wait for it
-      // with the first tile's loads already in flight.
+      // with the first tile's loads already in flight. Without a pre-pass, the
+      // state's scale and the history are read here instead.
       pdl_wait();
-      s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
+      s = 1.0f / lean_scale(f, write);  // reciprocal: docs/numerics.md
       waited = true;
     }
     unsigned ot[8][4];
@@ -767,13 +831,15 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_kernel(const T* __rest
         const float2 a = Pair<T>::f32(v.x), b = Pair<T>::f32(v.y), c = Pair<T>::f32(v.z), d = Pair<T>::f32(v.w);
         lo[jj] = (unsigned)q2<kE5M2>(a.x, a.y, s) | ((unsigned)q2<kE5M2>(b.x, b.y, s) << 16);
         hi[jj] = (unsigned)q2<kE5M2>(c.x, c.y, s) | ((unsigned)q2<kE5M2>(d.x, d.y, s) << 16);
-        if (q) *reinterpret_cast<uint2*>(q + (r0 + 4 * jg + jj) * C + c0) = make_uint2(lo[jj], hi[jj]);
+        if (q && write) *reinterpret_cast<uint2*>(q + (r0 + 4 * jg + jj) * C + c0) = make_uint2(lo[jj], hi[jj]);
       }
       transpose_into(lo, hi, ot, jg);
     }
+    if (write) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      *reinterpret_cast<uint4*>(qt + (c0 + i) * R + r0) = make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]);
+      for (int i = 0; i < 8; ++i)
+        *reinterpret_cast<uint4*>(qt + (c0 + i) * R + r0) = make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]);
+    }
   }
   if (!waited) pdl_wait();  // a warp without a tile: the block's finish still comes after the pre-pass
   const unsigned bm = block_reduce_max(Pair<T>::amax_bits(m2), smem);
@@ -790,8 +856,11 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_f32_kernel(const float
                                                                      uint8_t* __restrict__ q,
                                                                      uint8_t* __restrict__ qt, Finalize f) {
   __shared__ unsigned smem[kRedWords];
+  if (!lean_fallback_needed(f)) return;
+  pdl_launch_dependents();
   pdl_wait();  // launched early after a pre-pass: its scale_used first
-  const float s = 1.0f / *f.scale_used;  // reciprocal: docs/numerics.md
+  bool write;
+  const float s = 1.0f / lean_scale(f, write);  // reciprocal: docs/numerics.md
   const int lane = threadIdx.x & 31;
   const int lv = lane & 7, gq = lane >> 3;
   const unsigned nunits = (ntiles + 7u) / 8u;
@@ -820,7 +889,7 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_f32_kernel(const float
         local = max(local, max(max(abs_bits(b.x), abs_bits(b.y)), max(abs_bits(b.z), abs_bits(b.w))));
         lo[jj] = (unsigned)q2<kE5M2>(a.x, a.y, s) | ((unsigned)q2<kE5M2>(a.z, a.w, s) << 16);
         hi[jj] = (unsigned)q2<kE5M2>(b.x, b.y, s) | ((unsigned)q2<kE5M2>(b.z, b.w, s) << 16);
-        if (q) {
+        if (q && write) {
           uint8_t* row = q + (r0 + 4 * jg + jj) * C + ca;
           *reinterpret_cast<unsigned*>(row) = lo[jj];
           *reinterpret_cast<unsigned*>(row + 32) = hi[jj];
@@ -828,10 +897,12 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_f32_kernel(const float
       }
       transpose_into(lo, hi, ot, jg);
     }
+    if (write) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const long long col = ca + (i < 4 ? i : 32 + i - 4);
-      *reinterpret_cast<uint4*>(qt + col * R + r0) = make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]);
+      for (int i = 0; i < 8; ++i) {
+        const long long col = ca + (i < 4 ? i : 32 + i - 4);
+        *reinterpret_cast<uint4*>(qt + col * R + r0) = make_uint4(ot[i][0], ot[i][1], ot[i][2], ot[i][3]);
+      }
     }
   }
   const unsigned bm = block_reduce_max(local, smem);
@@ -1035,6 +1106,21 @@ int tile_version() {
   return v;
 }
 
+// Whether delayed scaling through the lean kernels runs the pre-pass (1) or
+// checks the history in the kernel with a fallback launch (0, the default:
+// 3 us less per call, docs/benchmarks.md); TORCH_OPS_DELAYED_PREPASS=1 (read
+// once) or set_delayed_prepass (tests, benchmarks) choose the pre-pass.
+std::atomic<int> g_delayed_prepass{-1};  // -1: as the environment says
+bool delayed_prepass() {
+  const int o = g_delayed_prepass.load(std::memory_order_relaxed);
+  if (o >= 0) return o == 1;
+  static const bool v = [] {
+    const char* e = std::getenv("TORCH_OPS_DELAYED_PREPASS");
+    return e && std::string(e) == "1";
+  }();
+  return v;
+}
+
 // Resident blocks per SM of a kernel at kThreads threads (for grid sizes).
 template <typename K>
 int blocks_per_sm(K kernel) {
@@ -1051,8 +1137,9 @@ int blocks_per_sm(K kernel) {
 // memset captured into that graph at its first use (so once per replay, not
 // per call): a workspace first zeroed inside a graph that is never replayed
 // must not be used by anything else.
-// Slots: [0,1] pre-pass, [2,3] main kernel, [4,5] second job of the
-// two-job kernel, [8..9] float scratch (scale_used of state-only updates).
+// Slots: [0,1] pre-pass, [2,3] main kernel, [2..7] the jobs of the state
+// kernel, [8..10] float scratch (scale_used of state-only updates), [12,13]
+// the seed of the lean kernels' fallback launch (Finalize::split).
 constexpr int kWsWords = 16;
 struct Ws {
   unsigned long long capture_id;  // 0: not captured
@@ -1141,7 +1228,15 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   const bool vec = (C % 8 == 0) && ((reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0);
 
   const bool fused_seed = scale_mode != 0 && !q.defined() && !qt.defined();
-  const bool prepass = scale_mode != 0 && !fused_seed;
+  // v5 where it applies: whole 64 x 64 tiles, no padding, aligned outputs.
+  const bool lean = tile_version() == 5 && vec && qt.defined() && R % 64 == 0 && C % 64 == 0 && ldqt == R &&
+                    (!q.defined() || ldq == C) && (reinterpret_cast<uintptr_t>(qt.data_ptr()) & 15) == 0 &&
+                    (!q.defined() || (reinterpret_cast<uintptr_t>(q.data_ptr()) & 7) == 0) &&
+                    (R / 64) * (C / 64) < (1LL << 31);
+  // Delayed scaling through the lean kernels checks the history in the kernel
+  // (Finalize::split) instead of a pre-pass, unless told otherwise.
+  const bool split = scale_mode == 1 && !fused_seed && lean && !delayed_prepass();
+  const bool prepass = scale_mode != 0 && !fused_seed && !split;
   if (prepass) {
     // Delayed scaling with a non-empty history (every call after the first):
     // each block only reads the history and exits, so keep the grid small.
@@ -1174,6 +1269,15 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   f.seed_history = (fused_seed && scale_mode == 1) ? hist_for_empty.data_ptr<float>() : nullptr;
   f.seed_H = (fused_seed && scale_mode == 1) ? hist_for_empty.numel() : 0;
   f.scale_used_out = fused_seed ? scale_used.data_ptr<float>() : nullptr;
+  if (split) {
+    f.seed_mode = 1;
+    f.prev_scale = scale_in.data_ptr<float>();
+    f.seed_history = hist_for_empty.data_ptr<float>();
+    f.seed_H = hist_for_empty.numel();
+    f.scale_used_out = scale_used.data_ptr<float>();
+    f.split = 1;
+    f.seed = wsp + 12;
+  }
 
   uint8_t* qp = q.defined() ? reinterpret_cast<uint8_t*>(q.data_ptr()) : nullptr;
   uint8_t* qtp = qt.defined() ? reinterpret_cast<uint8_t*>(qt.data_ptr()) : nullptr;
@@ -1192,10 +1296,6 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       const long long ext_c = std::max<long long>(C, qp ? ldq : C);
       const long long ext_r = std::max<long long>(R, qtp ? ldqt : R);
       const int version = tile_version();
-      // v5 where it applies: whole 64 x 64 tiles, no padding, aligned outputs.
-      const bool lean = version == 5 && vec && qtp != nullptr && R % 64 == 0 && C % 64 == 0 && ldqt == R &&
-                        (qp == nullptr || ldq == C) && (reinterpret_cast<uintptr_t>(qtp) & 15) == 0 &&
-                        (reinterpret_cast<uintptr_t>(qp) & 7) == 0 && (R / 64) * (C / 64) < (1LL << 31);
       if (lean) {
         const unsigned tiles_c = (unsigned)(C / 64), ntiles = (unsigned)((R / 64) * (C / 64));
         // Block layout: kRows tile rows of 8 / kRows tiles where they divide
@@ -1210,21 +1310,31 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
         if (tpw == 0) nb = std::min(nb, 2u * (unsigned)num_sms());  // persistent: one resident wave
         const int layout = rows == 4 ? 2 : rows - 1;  // 1, 2, 4 rows -> 0, 1, 2
         // After a pre-pass, a programmatic dependent launch (pdl_wait).
-        const bool early = prepass && pdl_enabled(x.get_device());
-        if constexpr (sizeof(T) == 2) {
-          using K = decltype(&quant_lean_kernel<T, true, 1>);
-          static constexpr K kernels[2][3] = {
-              {quant_lean_kernel<T, false, 1>, quant_lean_kernel<T, false, 2>, quant_lean_kernel<T, false, 4>},
-              {quant_lean_kernel<T, true, 1>, quant_lean_kernel<T, true, 2>, quant_lean_kernel<T, true, 4>}};
-          launch_maybe_early(kernels[fmt == 1 ? 1 : 0][layout], nb, stream, early, xp, R, C, tiles_c, ntiles, qp, qtp,
-                             f);
-        } else {
-          using K = decltype(&quant_lean_f32_kernel<true, 1>);
-          static constexpr K kernels[2][3] = {
-              {quant_lean_f32_kernel<false, 1>, quant_lean_f32_kernel<false, 2>, quant_lean_f32_kernel<false, 4>},
-              {quant_lean_f32_kernel<true, 1>, quant_lean_f32_kernel<true, 2>, quant_lean_f32_kernel<true, 4>}};
-          launch_maybe_early(kernels[fmt == 1 ? 1 : 0][layout], nb, stream, early, xp, R, C, tiles_c, ntiles, qp, qtp,
-                             f);
+        const bool pdl = pdl_enabled(x.get_device());
+        auto kernel = [&] {
+          if constexpr (sizeof(T) == 2) {
+            using K = decltype(&quant_lean_kernel<T, true, 1>);
+            static constexpr K kernels[2][3] = {
+                {quant_lean_kernel<T, false, 1>, quant_lean_kernel<T, false, 2>, quant_lean_kernel<T, false, 4>},
+                {quant_lean_kernel<T, true, 1>, quant_lean_kernel<T, true, 2>, quant_lean_kernel<T, true, 4>}};
+            return kernels[fmt == 1 ? 1 : 0][layout];
+          } else {
+            using K = decltype(&quant_lean_f32_kernel<true, 1>);
+            static constexpr K kernels[2][3] = {
+                {quant_lean_f32_kernel<false, 1>, quant_lean_f32_kernel<false, 2>, quant_lean_f32_kernel<false, 4>},
+                {quant_lean_f32_kernel<true, 1>, quant_lean_f32_kernel<true, 2>, quant_lean_f32_kernel<true, 4>}};
+            return kernels[fmt == 1 ? 1 : 0][layout];
+          }
+        }();
+        launch_maybe_early(kernel, nb, stream, prepass && pdl, xp, R, C, tiles_c, ntiles, qp, qtp, f);
+        if (split) {
+          // The fallback: one resident wave at most (it nearly always only
+          // reads the flag), launched early where it may be.
+          TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+          Finalize fb = f;
+          fb.split = 2;
+          launch_maybe_early(kernel, std::min(nb, (unsigned)num_sms()), stream, pdl, xp, R, C, tiles_c, ntiles, qp,
+                             qtp, fb);
         }
         return;
       }
@@ -1253,6 +1363,10 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
 // version; checked in bindings.cpp). Returns the previous override. For
 // tests and benchmarks.
 int set_tile_version(int version) { return g_tile_override.exchange(version); }
+
+// -1: as TORCH_OPS_DELAYED_PREPASS says; 0: in-kernel check; 1: pre-pass.
+// Returns the previous override. For tests and benchmarks.
+int set_delayed_prepass(int mode) { return g_delayed_prepass.exchange(mode); }
 
 std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int rows, int pdl) {
   // Arguments checked in bindings.cpp.

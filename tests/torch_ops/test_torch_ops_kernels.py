@@ -278,19 +278,59 @@ class QuantizeKernelTest(parameterized.TestCase):
         self.assertEqual(su.item(), 3.0)
 
     @parameterized.product(in_dtype=[torch.bfloat16, torch.float16, torch.float32], dt=[E4M3, E5M2],
-                           graph=[False, True], pdl=[0, 1])
-    def test_delayed_lean_after_prepass(self, in_dtype, dt, graph, pdl):
-        """Delayed scaling at a shape the lean kernel takes: it follows the
-        pre-pass (with pdl, on sm_90, launched early: its first loads go out
-        before it waits for the pre-pass's scale_used) and quantizes with that
-        scale, from an empty history (the seed) and after, eagerly and
-        replayed from a CUDA graph."""
+                           graph=[False, True], pdl=[0, 1], prepass=[0, 1])
+    def test_delayed_lean_seed_paths(self, in_dtype, dt, graph, pdl, prepass):
+        """Delayed scaling at a shape the lean kernel takes, from an empty
+        history (the seed) and after, eagerly and replayed from a CUDA graph,
+        both ways of finding the scale: a pre-pass (prepass=1; with pdl, on
+        sm_90, the lean kernel launched early: its first loads go out before
+        it waits for the pre-pass's scale_used) or the lean kernel reading
+        the history itself with a fallback launch for the seed (prepass=0,
+        the default; with pdl the fallback is the early launch)."""
         ext = torch_ops._build.load()
-        prev_lean = ext.set_lean_options(1, 2, pdl)
+        prev_lean, prev_prepass = ext.set_lean_options(1, 2, pdl), ext.set_delayed_prepass(prepass)
         try:
             self._delayed_lean_after_prepass(in_dtype, dt, graph)
         finally:
             ext.set_lean_options(*prev_lean)
+            ext.set_delayed_prepass(prev_prepass)
+
+    @parameterized.product(in_dtype=[torch.bfloat16, torch.float16, torch.float32], dt=[E4M3, E5M2],
+                           H=[16, 4096], record=[True, False])
+    def test_delayed_lean_in_kernel_check_sequence(self, in_dtype, dt, H, record):
+        """The lean kernels' own history check (no pre-pass) against the
+        emulation call by call: a non-finite first tensor (not recorded, so
+        the next call seeds again), an all-zero one (recorded as 0: the
+        history still reads empty), then finite ones; a history whose newest
+        entry is 0 but an older one is not (not empty); H = 4096 takes the
+        finalize's long-history path. Two shapes: 256 blocks of eight 64 x 64
+        tiles (the fallback launch strides over them), and 2 x 3 tiles (one
+        block, a short unit)."""
+        ext = torch_ops._build.load()
+        prev_prepass = ext.set_delayed_prepass(0)
+        try:
+            for shape in [(2048, 4096), (128, 192)]:
+                xs = [rand(shape, in_dtype, special=True, seed=60), torch.zeros(shape, dtype=in_dtype, device=DEV)]
+                xs += [rand(shape, in_dtype, scale=3.0 * (k + 1), special=False, seed=61 + k) for k in range(3)]
+                h, s = torch.zeros(H, device=DEV), torch.full((), 0.5, device=DEV)
+                rh, rs = h.clone(), s.clone()
+                for step, x in enumerate(xs):
+                    if not record and step == 3:
+                        h[7] = rh[7] = 2.5  # newest entry 0, an older one not: not empty
+                    poison()
+                    got = torch_ops.quantize_delayed(x, h, s, dt, transpose=True, record=record)
+                    ref = emu.quantize_delayed(x, rh, rs, dt, transpose=True, record=record)
+                    torch.cuda.synchronize()
+                    assert_same_delayed(got, ref, (h, s), (rh, rs))
+                if record:
+                    self.assertGreater(float(h[0]), 0.0)
+        finally:
+            ext.set_delayed_prepass(prev_prepass)
+
+    def test_set_delayed_prepass_names_bad_mode(self):
+        ext = torch_ops._build.load()
+        with self.assertRaisesRegex(ValueError, "mode: expected -1"):
+            ext.set_delayed_prepass(2)
 
     def _delayed_lean_after_prepass(self, in_dtype, dt, graph):
         xs = [rand((2048, 4096), in_dtype, scale=10.0 * (k + 1), special=False, seed=40 + k) for k in range(3)]
