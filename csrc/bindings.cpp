@@ -14,7 +14,8 @@ namespace torch_ops {
 void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int scale_mode, const at::Tensor& scale_in,
                      const at::Tensor& scale_used, const at::Tensor& amax_out, const at::Tensor& history,
                      const at::Tensor& scale_state, const at::Tensor& hist_for_empty, const at::Tensor& q,
-                     long long ldq, const at::Tensor& qt, long long ldqt, int algo, double mdiv, bool skip_zero);
+                     long long ldq, const at::Tensor& qt, long long ldqt, int algo, double mdiv, bool skip_zero,
+                     const QuantizeExtras* extras);
 int set_tile_version(int version);
 std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int rows, int pdl);
 int set_delayed_prepass(int mode);
@@ -76,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, con
   at::Tensor amax = at::empty({}, x.options().dtype(at::kFloat));
   at::Tensor none;
   torch_ops::quantize_launch(x, x.size(0), x.size(1), fmt, 0, scale, scale, amax, none, none, none,
-                             write_q ? q : none, ldq, transpose ? qt : none, ldqt, 0, 1.0, false);
+                             write_q ? q : none, ldq, transpose ? qt : none, ldqt, 0, 1.0, false, nullptr);
   return {q, qt, amax};
 }
 
@@ -91,7 +92,7 @@ Out4 quantize_delayed(const at::Tensor& x, const at::Tensor& history, const at::
   at::Tensor none;
   torch_ops::quantize_launch(x, x.size(0), x.size(1), fmt, 1, scale, scale_used, amax, record ? history : none,
                              record ? scale : none, history, write_q ? q : none, ldq, transpose ? qt : none, ldqt,
-                             algo, mdiv, false);
+                             algo, mdiv, false, nullptr);
   return {q, qt, scale_used, amax};
 }
 
@@ -108,7 +109,7 @@ Out4 quantize_current(const at::Tensor& x, const c10::optional<at::Tensor>& prev
   at::Tensor scale_used = at::empty({}, x.options().dtype(at::kFloat));
   at::Tensor none;
   torch_ops::quantize_launch(x, x.size(0), x.size(1), fmt, 2, prev, scale_used, amax, none, none, none,
-                             write_q ? q : none, ldq, transpose ? qt : none, ldqt, 0, mdiv, false);
+                             write_q ? q : none, ldq, transpose ? qt : none, ldqt, 0, mdiv, false, nullptr);
   return {q, qt, scale_used, amax};
 }
 

@@ -51,6 +51,51 @@ struct AmaxRecord {
   int fmt;
 };
 void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv);
+
+// keras_fp8's gradient channel folded into the gradient's scaling state by
+// one block (fold.cu: fold_grad_amax, and torch_ops/fold.py for the meaning
+// of every entry): reads `pending` and `fold_state`, updates `history`,
+// `scale` and `fold_state` in place and writes the snapshots `token_out`,
+// `scale_out` and `history_out`. `pending` null: no job.
+struct FoldJob {
+  const float* pending = nullptr;
+  float* fold_state = nullptr;
+  float* history = nullptr;
+  float* scale = nullptr;
+  float* token_out = nullptr;
+  float* scale_out = nullptr;
+  float* history_out = nullptr;
+  int H = 0;
+  int window = 0;
+  float inv_max = 0.0f;
+  float mdiv = 1.0f;
+  int most_recent = 0;
+  int update_scale = 0;
+};
+
+// One-block work that the last block of a quantize launch (quantize.cu) does
+// after the call's own state update, instead of a launch of its own
+// (linear.cpp: two fewer launches per layer and step on keras_fp8's path):
+//   fold    a FoldJob (the forward's fold of the gradient channel);
+//   emit_n  1 or 3: amax_out receives the gradient-channel value instead of
+//           the amax: a non-finite amax reads 0, and a (3,) channel gets
+//           [amax, *emit_token (0 where null), 0] (emit_pending_grad).
+struct QuantizeExtras {
+  FoldJob fold;
+  int emit_n = 0;
+  const float* emit_token = nullptr;
+};
+
+// fold_grad_amax in two steps (fold.cu): the checks, the snapshot tensors and
+// the job, then its launch (on its own, or by a quantize's last block).
+struct FoldOutputs {
+  at::Tensor token, scale, history;
+  FoldJob job;
+};
+FoldOutputs prepare_fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state, const at::Tensor& history,
+                                   const at::Tensor& scale, double inv_max, double mdiv, int algo, long long window,
+                                   bool update_scale);
+void fold_launch(const at::Tensor& like, const FoldJob& job);
 }  // namespace torch_ops
 
 #define TORCH_OPS_CUDA_CHECK(expr)                                                     \

@@ -26,14 +26,10 @@ namespace torch_ops {
 void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int scale_mode, const at::Tensor& scale_in,
                      const at::Tensor& scale_used, const at::Tensor& amax_out, const at::Tensor& history,
                      const at::Tensor& scale_state, const at::Tensor& hist_for_empty, const at::Tensor& q,
-                     long long ldq, const at::Tensor& qt, long long ldqt, int algo, double mdiv, bool skip_zero);
+                     long long ldq, const at::Tensor& qt, long long ldqt, int algo, double mdiv, bool skip_zero,
+                     const QuantizeExtras* extras);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state,
-                                                              const at::Tensor& history, const at::Tensor& scale,
-                                                              double inv_max, double mdiv, int algo,
-                                                              long long window, bool update_scale);
-void emit_pending_grad_launch(const at::Tensor& out, const at::Tensor& token);
 
 namespace {
 
@@ -57,9 +53,11 @@ struct Q {
 
 // = _ops.quantize_delayed / quantize_current with pad=True (GEMM-ready
 // layouts). Outputs not asked for stay undefined; the amax goes to `amax_out`
-// when given (a gradient-channel buffer), else to a new 0-d tensor.
+// when given (a gradient-channel buffer), else to a new 0-d tensor. `extras`:
+// the launch's last block also folds or emits (common.h).
 Q quant(const at::Tensor& x, const at::Tensor& hist, const at::Tensor& scale, int fmt, int scaling, double mdiv,
-        int algo, bool transpose, bool record, bool write_q, const at::Tensor& amax_out = at::Tensor()) {
+        int algo, bool transpose, bool record, bool write_q, const at::Tensor& amax_out = at::Tensor(),
+        const QuantizeExtras* extras = nullptr) {
   const long long R = x.size(0), C = x.size(1);
   const auto opts = x.options().dtype(fmt == 1 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
   const long long ldq = r16(C), ldqt = r16(R);
@@ -72,10 +70,10 @@ Q quant(const at::Tensor& x, const at::Tensor& hist, const at::Tensor& scale, in
   at::Tensor none;
   if (scaling == kDelayed) {
     quantize_launch(x, R, C, fmt, 1, scale, o.scale_used, o.amax, record ? hist : none, record ? scale : none, hist,
-                    o.q, ldq, o.qt, ldqt, algo, mdiv, false);
+                    o.q, ldq, o.qt, ldqt, algo, mdiv, false, extras);
   } else {
     quantize_launch(x, R, C, fmt, 2, scale, o.scale_used, o.amax, none, none, none, o.q, ldq, o.qt, ldqt, 0, mdiv,
-                    false);
+                    false, extras);
   }
   return o;
 }
@@ -155,15 +153,22 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
     const bool need_db = has_bias && ctx->needs_input_grad(2);
     at::Tensor g2d = grads[0].contiguous();
     at::Tensor dx, dw, db, dsink;
-    // The sink's gradient buffer receives the amax directly.
-    if (has_sink) dsink = (f & kSinkVec) ? at::empty({3}, g2d.options().dtype(at::kFloat))
-                                         : at::empty({}, g2d.options().dtype(at::kFloat));
+    // The sink's gradient buffer receives the gradient-channel value directly
+    // from the gradient's quantize (its last block emits it: QuantizeExtras).
+    QuantizeExtras emit;
+    if (has_sink) {
+      dsink = (f & kSinkVec) ? at::empty({3}, g2d.options().dtype(at::kFloat))
+                             : at::empty({}, g2d.options().dtype(at::kFloat));
+      emit.emit_n = (int)dsink.numel();
+      auto it = sd.find("tok");
+      if (it != sd.end()) emit.emit_token = it->second.toTensor().data_ptr<float>();
+    }
     if (small) {
       auto saved = ctx->get_saved_variables();
       const at::Tensor& x2d = saved[0];
       at::Tensor w_nk = saved[1];
       if (record_grad || has_sink)
-        quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, false, record_grad, false, dsink);
+        quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, false, record_grad, false, dsink, &emit);
       if (w_nk.scalar_type() != g2d.scalar_type()) w_nk = w_nk.to(g2d.scalar_type());
       if (need_dx) dx = g2d.mm(w_nk);
       if (need_dw) {
@@ -173,7 +178,8 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
         dw = (in_out ? xg.t().mm(g2d) : g2d.t().mm(xg)).to(w_dtype);
       }
     } else if (need_dx || need_dw || record_grad || has_sink) {
-      Q qg = quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, need_dw, record_grad, need_dx, dsink);
+      Q qg = quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, need_dw, record_grad, need_dx, dsink,
+                   &emit);
       if (need_dx) dx = fp8_gemm(qg.q, sd["qwb"].toTensor(), qg.scale_used, sd["sw"].toTensor(), c10::nullopt,
                                  x_dtype, false);
       if (need_dw) {
@@ -186,10 +192,6 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
       db = g2d.sum(0, false, at::kFloat);
       if ((f & kRoundDb) && x_dtype != b_dtype) db = db.to(x_dtype);
       db = db.to(b_dtype);
-    }
-    if (has_sink) {
-      auto it = sd.find("tok");
-      emit_pending_grad_launch(dsink, it == sd.end() ? at::Tensor() : it->second.toTensor());
     }
     return {dx, dw, db, dsink, at::Tensor()};
   }
@@ -315,10 +317,11 @@ void record_in_backward(const at::Tensor& out, const at::Tensor& x2d, const at::
 
 // The call after check_args. `sink`: none, a 0-d sink (linear) or the (3,)
 // pending vector (linear_folded, with its fold token, undefined when not
-// training).
+// training). `fold`: null, or the gradient channel's fold (linear_folded's
+// training calls), done by the last block of x's quantize where there is one.
 at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, const std::vector<at::Tensor>& state,
                int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo, bool in_out, bool training,
-               int64_t min_gemm_size, int64_t sink_flags, const at::Tensor& token) {
+               int64_t min_gemm_size, int64_t sink_flags, const at::Tensor& token, const FoldJob* fold) {
   const long long K = a.K, N = a.N;
   const c10::optional<at::Tensor>& bias = a.bias;
   const c10::optional<at::Tensor>& sink = a.sink;
@@ -358,8 +361,12 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     wd = weight.is_contiguous() ? weight : weight.contiguous();
     // Small: only the state updates matter (no fp8 operand is used); they
     // are launched after the GEMM, below.
+    QuantizeExtras with_fold;
+    if (fold) with_fold.fold = *fold;
+    if (small && fold) fold_launch(x2d, *fold);
     if (!small) {
-      Q qx = quant(x2d, state[1], state[0], kE4M3, (int)scaling, mdiv, (int)algo, need_dw, record, true);
+      Q qx = quant(x2d, state[1], state[0], kE4M3, (int)scaling, mdiv, (int)algo, need_dw, record, true, at::Tensor(),
+                   fold ? &with_fold : nullptr);
       // The forward wants (N, K), the dX GEMM (K, N); out_in stores (N, K).
       Q qw = quant(wd, state[3], state[2], kE4M3, (int)scaling, mdiv, (int)algo, in_out || need_dx, record,
                    (!in_out) || need_dx);
@@ -411,7 +418,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     TORCH_CHECK_VALUE(a.sink->dim() == 0 && a.sink->scalar_type() == at::kFloat,
                       "grad_amax_sink: expected a 0-d float32 tensor with requires_grad=True");
   }
-  return run(x, weight, a, state, grad_fmt, scaling, mdiv, algo, in_out, training, min_gemm_size, 0, at::Tensor());
+  return run(x, weight, a, state, grad_fmt, scaling, mdiv, algo, in_out, training, min_gemm_size, 0, at::Tensor(),
+             nullptr);
 }
 
 at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
@@ -428,20 +436,20 @@ at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c1
                       x.device());
   }
   std::vector<at::Tensor> st = state;
-  at::Tensor token;
+  FoldOutputs folded;
   if (training) {
     // The fold's snapshots are this call's grad state: they stay valid for
     // its backward even when a later call folds into the variables again.
+    // Launched by x's quantize (run), before anything reads them.
     const double fmax = grad_fmt == 1 ? 57344.0 : 448.0;
-    auto folded = fold_grad_amax(pending, fold_state, state[5], state[4], 1.0 / fmax, mdiv, (int)algo,
-                                 window > 0 ? window : state[5].numel(), true);
-    token = std::get<0>(folded);
-    st[4] = std::get<1>(folded);
-    st[5] = std::get<2>(folded);
+    folded = prepare_fold_grad_amax(pending, fold_state, state[5], state[4], 1.0 / fmax, mdiv, (int)algo,
+                                    window > 0 ? window : state[5].numel(), true);
+    st[4] = folded.scale;
+    st[5] = folded.history;
   }
   if (at::GradMode::is_enabled() && pending.requires_grad()) a.sink = pending;
   return run(x, weight, a, st, grad_fmt, kDelayed, mdiv, algo, in_out, training, min_gemm_size, kSinkVec | kRoundDb,
-             token);
+             folded.token, training ? &folded.job : nullptr);
 }
 
 }  // namespace torch_ops

@@ -28,6 +28,7 @@
 #include <utility>
 
 #include "common.h"
+#include "fold_block.cuh"
 
 namespace torch_ops {
 namespace {
@@ -167,6 +168,7 @@ struct Finalize {
   //    and finalizes (then clears `seed`).
   int split = 0;
   unsigned* seed = nullptr;  // [0] amax bits, [1] 1 when the fallback must run (zero otherwise)
+  QuantizeExtras extras;     // the last block's extra work (common.h)
 };
 
 // (window * f32(1/fmax)) * f32(2**-margin); `mdiv` carries 2**-margin.
@@ -393,7 +395,18 @@ __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem
     }
     return;
   }
-  if (threadIdx.x == 0 && f.amax_out) *f.amax_out = amax;
+  if (threadIdx.x == 0 && f.amax_out) {
+    const QuantizeExtras& e = f.extras;
+    if (e.emit_n == 0) {
+      *f.amax_out = amax;
+    } else {
+      f.amax_out[0] = isfinite(amax) ? amax : 0.0f;
+      if (e.emit_n == 3) {
+        f.amax_out[1] = e.emit_token ? *e.emit_token : 0.0f;
+        f.amax_out[2] = 0.0f;
+      }
+    }
+  }
   if (!finalize_one_pass(amax, f, smem)) {
     if (f.seed_mode) {
       bool from_amax = true;
@@ -412,6 +425,7 @@ __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem
     if (f.history) record_in_block(amax, f, smem);
   }
   __syncthreads();
+  if (f.extras.fold.pending) fold_block(f.extras.fold);
   if (threadIdx.x == 0) {
     f.ws[0] = 0u;
     f.ws[1] = 0u;
@@ -1208,8 +1222,11 @@ void dispatch_in(const at::Tensor& x, Fn&& fn) {
 // x: contiguous (R, C) on CUDA. Writes outputs, returns nothing (allocation
 // happens in the caller, bindings.cpp).
 //   scale_mode: 0 = given scale (scale_used is read, never written here)
-//               1 = delayed (pre-pass seeds scale_used when history is empty)
+//               1 = delayed (scale_used seeded from the amax when the history
+//                   is empty: by a pre-pass, or where the lean kernels apply
+//                   by their own check and a fallback launch)
 //               2 = current (pre-pass always computes scale_used from amax)
+//   extras: null, or work for the last block after the state update (common.h).
 void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int scale_mode,
                      const at::Tensor& scale_in,        // mode 0: the scale; mode 1: state scale; mode 2: prev (may be undefined)
                      const at::Tensor& scale_used,      // 0-d float32 output (mode 0: same as scale_in)
@@ -1218,7 +1235,7 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
                      const at::Tensor& scale_state,     // where the next scale goes when recording
                      const at::Tensor& hist_for_empty,  // mode 1: history (for the empty check)
                      const at::Tensor& q, long long ldq, const at::Tensor& qt, long long ldqt, int algo,
-                     double mdiv_d, bool skip_zero) {
+                     double mdiv_d, bool skip_zero, const QuantizeExtras* extras) {
   const DeviceScope device_scope(x);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const float fmax = fmax_of(fmt);
@@ -1269,6 +1286,11 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   f.seed_history = (fused_seed && scale_mode == 1) ? hist_for_empty.data_ptr<float>() : nullptr;
   f.seed_H = (fused_seed && scale_mode == 1) ? hist_for_empty.numel() : 0;
   f.scale_used_out = fused_seed ? scale_used.data_ptr<float>() : nullptr;
+  if (extras) {
+    TORCH_CHECK(extras->emit_n == 0 || (amax_out.defined() && amax_out.numel() == extras->emit_n),
+                "quantize_launch: the gradient channel's size does not match emit_n");
+    f.extras = *extras;
+  }
   if (split) {
     f.seed_mode = 1;
     f.prev_scale = scale_in.data_ptr<float>();

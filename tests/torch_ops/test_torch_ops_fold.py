@@ -163,7 +163,7 @@ class FoldKernelTest(parameterized.TestCase):
 
 
 def folded_steps(device, fast, *, steps=3, training=True, pending_grad=True, bias=True, lead=None, mgs=0,
-                 no_grad=False, twice=False, fp8_format="hybrid", inf_step=None, as_tuple=False):
+                 no_grad=False, twice=False, fp8_format="hybrid", inf_step=None, as_tuple=False, mkn=(24, 40, 16)):
     """Training steps of fp8_linear_folded as the Keras layers run them (the
     optimizer overwrites `pending` with its gradient); returns every output,
     gradient and state tensor, in order."""
@@ -173,7 +173,7 @@ def folded_steps(device, fast, *, steps=3, training=True, pending_grad=True, bia
     L.FAST_PATH = fast
     try:
         g = torch.Generator().manual_seed(7)
-        M, K, N = 24, 40, 16
+        M, K, N = mkn
         kernel = (torch.randn(K, N, generator=g) * 0.05).to(device)
         b0 = torch.randn(N, generator=g).to(device) if bias else None
         st = torch_ops.FP8LinearState.create(8, device=device)
@@ -310,6 +310,12 @@ class LinearFoldedKernelTest(parameterized.TestCase):
         ("inf_gradient", dict(inf_step=1)),
         ("inf_gradient_small", dict(inf_step=1, mgs=1 << 40)),
         ("tuple_state", dict(as_tuple=True)),
+        # Multiples of 64: x, the weight and the gradient take the lean
+        # kernels, whose last block also folds (x) and emits (the gradient);
+        # the first step's empty histories go through their fallback launch.
+        ("lean", dict(mkn=(128, 192, 256))),
+        ("lean_inf_gradient", dict(mkn=(128, 192, 256), inf_step=1)),
+        ("lean_twice_rank3", dict(mkn=(128, 192, 256), lead=(2, 64), twice=True)),
     )
     def test_equals_python_composite(self, kw):
         with counting_linear_folded() as calls:
