@@ -11,6 +11,7 @@
 #   host    benchmarks/host_overhead.py at the small shapes
 #   small   the small Keras model, mixed_bfloat16 and fp8_hybrid interleaved in one process
 #   bigab   the issue's Keras model, both policies interleaved in one process ($BIGAB_ARGS)
+#   bigabn  bigab in $BIGAB_PROCS processes (default 3) and the median of their ratios
 #   bigflat the same with --loss flat (the cross-entropy on 2-D logits: a diagnostic)
 #   bigidx  the same with --qkv index (q/k/v by three index-selects, the benchmark's code before session 6)
 #   model   the issue's Keras model, mixed_bfloat16 then fp8_hybrid
@@ -99,6 +100,25 @@ for ab in bigab bigflat bigidx; do
     grep -E "^RATIO|^round|Error" "$OUT/$ab.txt" | tee -a "$LOG"
   fi
 done
+if has bigabn; then
+  # The same as bigab in $BIGAB_PROCS processes one after another (default 3): the ratio moves by ~0.8%
+  # between processes (docs/benchmarks.md, eleventh session), so one process is one sample.
+  for i in $(seq 1 ${BIGAB_PROCS:-3}); do
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KERAS_BACKEND=torch step "bigab_$i" ${BIGAB_LIMIT:-150} python3 \
+      benchmarks/model.py --stack keras --interleave mixed_bfloat16,fp8_hybrid ${BIGAB_ARGS:---rounds 4 --warmup 3 --steps 5}
+    grep -E "^RATIO|Error" "$OUT/bigab_$i.txt" | tee -a "$LOG"
+  done
+  python3 - "$OUT" <<'PY' | tee -a "$LOG"
+import glob, re, statistics, sys
+r = []
+for f in sorted(glob.glob(sys.argv[1] + "/bigab_*.txt")):
+    m = re.search(r"\(([0-9.]+) vs ([0-9.]+) ms/step", open(f).read())
+    if m:
+        r.append(float(m.group(1)) / float(m.group(2)))
+if r:
+    print(f"bigabn: {len(r)} processes, ratios {', '.join(f'{x:.4f}' for x in r)}; median {statistics.median(r):.4f}")
+PY
+fi
 if has mprof; then
   for p in ${MPROF_POLICIES:-mixed_bfloat16 fp8_hybrid}; do
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KERAS_BACKEND=torch step "mprof_$p" 150 python3 \
