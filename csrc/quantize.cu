@@ -1282,26 +1282,21 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   f.fmax = fmax;
   f.mdiv = mdiv;
   f.skip_zero = skip_zero ? 1 : 0;
-  f.seed_mode = fused_seed ? scale_mode : 0;
-  f.prev_scale = (fused_seed && scale_in.defined()) ? scale_in.data_ptr<float>() : nullptr;
-  f.seed_history = (fused_seed && scale_mode == 1) ? hist_for_empty.data_ptr<float>() : nullptr;
-  f.seed_H = (fused_seed && scale_mode == 1) ? hist_for_empty.numel() : 0;
-  f.scale_used_out = fused_seed ? scale_used.data_ptr<float>() : nullptr;
+  // The launch seeds the scale itself (no pre-pass): a fused amax-only call,
+  // or a split delayed call (always scale_mode 1 with a defined scale_in).
+  const bool seeds_itself = fused_seed || split;
+  f.seed_mode = seeds_itself ? scale_mode : 0;
+  f.prev_scale = (seeds_itself && scale_in.defined()) ? scale_in.data_ptr<float>() : nullptr;
+  f.seed_history = (seeds_itself && scale_mode == 1) ? hist_for_empty.data_ptr<float>() : nullptr;
+  f.seed_H = (seeds_itself && scale_mode == 1) ? hist_for_empty.numel() : 0;
+  f.scale_used_out = seeds_itself ? scale_used.data_ptr<float>() : nullptr;
+  f.split = split ? 1 : 0;
+  f.seed = split ? wsp + 12 : nullptr;
   if (extras) {
     TORCH_CHECK(extras->emit_n == 0 || (amax_out.defined() && amax_out.numel() == extras->emit_n),
                 "quantize_launch: the gradient channel's size does not match emit_n");
     f.extras = *extras;
   }
-  if (split) {
-    f.seed_mode = 1;
-    f.prev_scale = scale_in.data_ptr<float>();
-    f.seed_history = hist_for_empty.data_ptr<float>();
-    f.seed_H = hist_for_empty.numel();
-    f.scale_used_out = scale_used.data_ptr<float>();
-    f.split = 1;
-    f.seed = wsp + 12;
-  }
-
   uint8_t* qp = q.defined() ? reinterpret_cast<uint8_t*>(q.data_ptr()) : nullptr;
   uint8_t* qtp = qt.defined() ? reinterpret_cast<uint8_t*>(qt.data_ptr()) : nullptr;
   const bool flat = qtp == nullptr && (qp == nullptr || ldq == C);
