@@ -32,6 +32,11 @@ def main():
     st_off = torch_ops.FP8LinearState.create(1024, device="cuda")
     w = lin.weight
     ours, ours_off = OursLinear(lin), OursLinear(lin, record=False)
+    product = torch_ops.FP8Linear.from_linear(lin)  # the library's module (its own state)
+    ext = torch_ops.linear._ext()
+    st_ext = torch_ops.FP8LinearState.create(1024, device="cuda")
+    fast_args = torch_ops.linear._fast_args("hybrid", "delayed", 0.0, "max", "out_in")
+    limit = torch_ops.linear._gemm_limit(None)
 
     def step(fn):
         return fwd_bwd_step(fn, x, w, gy)
@@ -45,6 +50,9 @@ def main():
         "fp8_linear default (function, as host_overhead.py)": step(lambda: torch_ops.fp8_linear(x, w, state=st)),
         "fp8_linear training=False (function)": step(
             lambda: torch_ops.fp8_linear(x, w, state=st_off, training=False)),
+        "torch_ops.FP8Linear (module)": step(lambda: product(x)),
+        "C++ entry called directly (no Python path)": step(
+            lambda: ext.linear(x, w, None, st_ext.tensors(), *fast_args, True, None, limit)),
     }
     for fn in fns.values():
         for _ in range(30):
