@@ -104,6 +104,54 @@ class FP8LinearTest(parameterized.TestCase):
         self.assertEqual(layer.input_scale.item(), 1.0)
         self.assertEqual(float(layer.grad_amax_history.abs().max()), 0.0)
 
+    def test_replaced_weight_buffer_and_options_take_effect(self):
+        """The layer's cached call follows a new weight Parameter, a buffer
+        replaced in the buffer dict, and options set after construction."""
+        torch.manual_seed(0)
+        layer = torch_ops.FP8Linear(64, 48, device=DEV, history_len=8, min_gemm_size=0)
+        x, gy = _data(32, 64, 48, 0)
+        _step(layer, x, gy)  # builds the cache
+        new_w = torch.nn.Parameter(torch.randn(48, 64, device=DEV))
+        layer.weight = new_w
+        fresh_hist = torch.zeros(8, device=DEV)
+        layer._buffers["input_amax_history"] = fresh_hist
+        layer.fp8_format = "e4m3"
+        st = torch_ops.FP8LinearState(*(getattr(layer, n) for n in (
+            "input_scale", "input_amax_history", "kernel_scale", "kernel_amax_history", "grad_scale",
+            "grad_amax_history")))
+        ref_state = torch_ops.FP8LinearState(*(t.clone() for t in st.tensors()))
+        w = new_w.detach().clone().requires_grad_()
+        x, gy = _data(32, 64, 48, 1)
+        y, dx = _step(layer, x, gy)
+        xx = x.clone().requires_grad_()
+        ref = torch_ops.fp8_linear(xx, w, layer.bias.detach(), state=ref_state, fp8_format="e4m3", min_gemm_size=0)
+        ref.backward(gy)
+        self.assertTrue(torch.equal(y, ref.detach()))
+        self.assertTrue(torch.equal(dx, xx.grad))
+        self.assertTrue(torch.equal(new_w.grad, w.grad))
+        self.assertGreater(float(fresh_hist[0]), 0.0)  # the new buffer was recorded into
+        for name, t in zip(("input_scale", "input_amax_history", "kernel_scale", "kernel_amax_history",
+                            "grad_scale", "grad_amax_history"), ref_state.tensors()):
+            self.assertTrue(torch.equal(getattr(layer, name), t), name)
+
+    def test_pickles_and_deep_copies_after_a_call(self):
+        layer = torch_ops.FP8Linear(32, 16, device=DEV, history_len=4)
+        x, gy = _data(8, 32, 16, 0, torch.float32)
+        _step(layer, x, gy)
+
+        def pickled(m):
+            buf = io.BytesIO()
+            torch.save(m, buf)
+            buf.seek(0)
+            return torch.load(buf, weights_only=False)
+
+        for make_copy in (pickled, copy.deepcopy):
+            other = make_copy(layer)
+            a, b = _step(layer, x, gy), _step(other, x, gy)
+            self.assertTrue(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+            self.assertTrue(torch.equal(layer.grad_amax_history, other.grad_amax_history))
+            self.assertIsNot(other.grad_amax_history, layer.grad_amax_history)
+
     def test_bad_arguments_are_named(self):
         with self.assertRaisesRegex(ValueError, "fp8_format"):
             torch_ops.FP8Linear(4, 4, fp8_format="e5m2")
