@@ -29,6 +29,9 @@ def main():
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--json", default=None,
                         help="also write {kernel name: [calls, us per step]} to this file (to diff two policies)")
+    parser.add_argument("--ops-json", default=None,
+                        help="also record input shapes and write {op and its input shapes: [calls, us of kernels "
+                             "it launched itself, per step]} to this file (which op runs which copy or cast)")
     args, rest = parser.parse_known_args()
     import keras
     import torch
@@ -58,7 +61,8 @@ def main():
         warnings.showwarning = record_sync
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]
-            + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
+            record_shapes=bool(args.ops_json),
         ) as prof:
             t0 = time.perf_counter()
             model.fit(xs, ys, batch_size=n, epochs=1, shuffle=False, verbose=0)
@@ -84,6 +88,16 @@ def main():
         with open(args.json, "w") as f:
             json.dump({e.key: [e.count / args.steps, e.self_device_time_total / args.steps] for e in kernels}, f,
                       indent=0)
+    if args.ops_json:
+        import json
+
+        cpu_type = getattr(torch.autograd, "DeviceType", None)
+        ops = {}
+        for e in prof.key_averages(group_by_input_shape=True):
+            if cpu_type is not None and getattr(e, "device_type", None) == cpu_type.CPU and e.self_device_time_total:
+                ops[f"{e.key} {e.input_shapes}"] = [e.count / args.steps, e.self_device_time_total / args.steps]
+        with open(args.ops_json, "w") as f:
+            json.dump(ops, f, indent=0)
     print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.top, max_name_column_width=110))
 
 
