@@ -19,6 +19,8 @@ class FP8EinsumDenseTest(parameterized.TestCase):
         ("out_proj", "abcd,cde->abe", (2, 5, 4, 6), (None, 16), "e"),
         ("ellipsis", "...b,bc->...c", (3, 2, 16), (8,), None),
         ("transposed", "abc,dc->abd", (2, 5, 16), (None, 8), None),
+        ("input_transposed", "acb,cd->abd", (2, 16, 5), (None, 8), None),
+        ("output_transposed", "abc,cd->adb", (2, 5, 16), (8, None), None),
     )
     def test_matches_explicit_fp8_matmul(self, equation, in_shape, out_shape, bias_axes):
         keras.utils.set_random_seed(0)

@@ -55,17 +55,26 @@ class MatmulPlan:
         self.n_contracted = len(contracted)
         order = free_x + free_kernel
         self.output_perm = [order.index(a) for a in output]
+        # The transposes call() makes (None: the identity, skipped).
+        self._x_t = self._unless_identity(self.x_perm)
+        self._kernel_t = self._unless_identity(self.kernel_perm)
+        self._output_t = self._unless_identity(self.output_perm)
 
     @staticmethod
     def _transpose(t, perm):
-        # The usual projection equations need no transpose at all: skip the
-        # identity (each Keras op costs host time in eager mode).
-        return t if perm == sorted(perm) else ops.transpose(t, perm)
+        # `perm` is None for the identity (decided once in __init__): the
+        # usual projection equations need no transpose at all, and each Keras
+        # op costs host time in eager mode.
+        return t if perm is None else ops.transpose(t, perm)
+
+    @staticmethod
+    def _unless_identity(perm):
+        return None if perm == sorted(perm) else perm
 
     def call(self, matmul, x, kernel):
         """Runs `matmul(x2d, kernel2d)` and reshapes back to the output."""
         in_shape = tuple(ops.shape(x))
-        kernel_t = self._transpose(kernel, self.kernel_perm)
+        kernel_t = self._transpose(kernel, self._kernel_t)
         kernel_shape = tuple(kernel_t.shape)
         contracted = tuple(in_shape[i] for i in self.x_perm[self.n_free_x :])
         if len(in_shape) != len(self.x_perm) or contracted != kernel_shape[: self.n_contracted]:
@@ -74,7 +83,7 @@ class MatmulPlan:
                 f"sizes match the kernel's {kernel_shape[: self.n_contracted]}, "
                 f"got shape {in_shape}"
             )
-        x_t = self._transpose(x, self.x_perm)
+        x_t = self._transpose(x, self._x_t)
         x_shape = tuple(ops.shape(x_t))
         k = math.prod(kernel_shape[: self.n_contracted])
         n = math.prod(kernel_shape[self.n_contracted :])
@@ -83,7 +92,7 @@ class MatmulPlan:
             y,
             x_shape[: self.n_free_x] + kernel_shape[self.n_contracted :],
         )
-        return self._transpose(y, self.output_perm)
+        return self._transpose(y, self._output_t)
 
 
 @register_keras_serializable(package="keras_fp8")
