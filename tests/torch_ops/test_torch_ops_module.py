@@ -5,6 +5,7 @@ through the exact emulation (CPU CI).
 """
 
 import copy
+import dataclasses
 import io
 
 import torch
@@ -13,6 +14,8 @@ from absl.testing import parameterized
 import torch_ops
 
 DEV = "cuda" if torch_ops.is_available() else "cpu"
+# The layer's buffer names, in FP8LinearState's field order.
+STATE_NAMES = tuple(f.name for f in dataclasses.fields(torch_ops.FP8LinearState))
 
 
 def _data(M, K, N, seed, dtype=torch.bfloat16):
@@ -50,8 +53,7 @@ class FP8LinearTest(parameterized.TestCase):
             self.assertTrue(torch.equal(y, ref.detach()), f"out step {step}")
             self.assertTrue(torch.equal(dx, xx.grad), f"dx step {step}")
             self.assertTrue(torch.equal(layer.weight.grad, w.grad), f"dw step {step}")
-            for name, t in zip(("input_scale", "input_amax_history", "kernel_scale", "kernel_amax_history",
-                                "grad_scale", "grad_amax_history"), st.tensors()):
+            for name, t in zip(STATE_NAMES, st.tensors()):
                 self.assertTrue(torch.equal(getattr(layer, name), t), f"{name} step {step}")
             layer.weight.grad = None
             w.grad = None
@@ -116,9 +118,7 @@ class FP8LinearTest(parameterized.TestCase):
         fresh_hist = torch.zeros(8, device=DEV)
         layer._buffers["input_amax_history"] = fresh_hist
         layer.fp8_format = "e4m3"
-        st = torch_ops.FP8LinearState(*(getattr(layer, n) for n in (
-            "input_scale", "input_amax_history", "kernel_scale", "kernel_amax_history", "grad_scale",
-            "grad_amax_history")))
+        st = torch_ops.FP8LinearState(*(getattr(layer, n) for n in STATE_NAMES))
         ref_state = torch_ops.FP8LinearState(*(t.clone() for t in st.tensors()))
         w = new_w.detach().clone().requires_grad_()
         x, gy = _data(32, 64, 48, 1)
@@ -130,8 +130,7 @@ class FP8LinearTest(parameterized.TestCase):
         self.assertTrue(torch.equal(dx, xx.grad))
         self.assertTrue(torch.equal(new_w.grad, w.grad))
         self.assertGreater(float(fresh_hist[0]), 0.0)  # the new buffer was recorded into
-        for name, t in zip(("input_scale", "input_amax_history", "kernel_scale", "kernel_amax_history",
-                            "grad_scale", "grad_amax_history"), ref_state.tensors()):
+        for name, t in zip(STATE_NAMES, ref_state.tensors()):
             self.assertTrue(torch.equal(getattr(layer, name), t), name)
 
     def test_pickles_and_deep_copies_after_a_call(self):
