@@ -290,7 +290,7 @@ class QuantizeKernelTest(parameterized.TestCase):
         ext = torch_ops._build.load()
         prev_lean, prev_prepass = ext.set_lean_options(1, 2, pdl), ext.set_delayed_prepass(prepass)
         try:
-            self._delayed_lean_after_prepass(in_dtype, dt, graph)
+            self._delayed_lean_three_calls(in_dtype, dt, graph)
         finally:
             ext.set_lean_options(*prev_lean)
             ext.set_delayed_prepass(prev_prepass)
@@ -332,7 +332,7 @@ class QuantizeKernelTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "mode: expected -1"):
             ext.set_delayed_prepass(2)
 
-    def _delayed_lean_after_prepass(self, in_dtype, dt, graph):
+    def _delayed_lean_three_calls(self, in_dtype, dt, graph):
         xs = [rand((2048, 4096), in_dtype, scale=10.0 * (k + 1), special=False, seed=40 + k) for k in range(3)]
         h, s = torch.zeros(16, device=DEV), torch.ones((), device=DEV)
         rh, rs = h.clone(), s.clone()
