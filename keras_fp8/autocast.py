@@ -11,6 +11,7 @@ in the forward pass, so the backward pass uses them too, wherever it runs.
 import contextlib
 import contextvars
 import dataclasses
+import threading
 
 from keras.src.dtype_policies import dtype_policy as keras_dtype_policy
 
@@ -18,6 +19,13 @@ from keras_fp8 import policy as policy_lib
 from keras_fp8 import recipes
 
 _CURRENT = contextvars.ContextVar("keras_fp8_autocast", default=None)
+
+# How many scopes are open, in all threads and tasks together. While none
+# is, `current()` answers without reading the ContextVar: torch.compile
+# cannot trace `ContextVar.get` (a graph break in every FP8 layer), but it
+# can read a module-level int, and guards on its value.
+_open_scopes = 0
+_open_scopes_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +39,15 @@ class AutocastState:
 
 def current():
     """Returns the innermost active `AutocastState`, or None."""
+    if not _open_scopes:
+        return None
     return _CURRENT.get()
+
+
+def _count_open_scopes(change):
+    global _open_scopes
+    with _open_scopes_lock:
+        _open_scopes += change
 
 
 @contextlib.contextmanager
@@ -68,9 +84,11 @@ def autocast(policy="fp8_hybrid", enabled=True, recipe=None):
     recipe = recipes.get(recipe) if recipe is not None else fp8_policy.recipe
     state = AutocastState(enabled=enabled, policy=fp8_policy, recipe=recipe)
     token = _CURRENT.set(state)
+    _count_open_scopes(1)
     try:
         yield state
     finally:
+        _count_open_scopes(-1)
         _CURRENT.reset(token)
 
 
@@ -79,7 +97,7 @@ _keras_global_policy = keras_dtype_policy.dtype_policy
 
 def _dtype_policy_with_scope():
     """Keras's global-policy getter, answering the active scope's policy first."""
-    state = _CURRENT.get()
+    state = current()
     if state is not None and state.enabled:
         return state.policy
     return _keras_global_policy()

@@ -79,6 +79,26 @@ class AutocastTest(parameterized.TestCase):
         thread.join()
         self.assertIsNone(seen["main"])
 
+    def test_torch_compile_traces_the_lookup_outside_scopes(self):
+        if keras.backend.backend() != "torch":
+            self.skipTest("torch.compile")
+        import torch
+
+        def step(x):
+            return x + (1.0 if current() is None else 2.0)
+
+        torch._dynamo.reset()
+        # No scope open: no graph break (Dynamo cannot trace ContextVar.get).
+        full = torch.compile(step, fullgraph=True, backend="eager")
+        self.assertEqual(float(full(torch.zeros(()))), 1.0)
+        # The compiled code guards on the open-scope count: inside a scope
+        # it recompiles and sees the scope.
+        compiled = torch.compile(step, backend="eager")
+        self.assertEqual(float(compiled(torch.zeros(()))), 1.0)
+        with keras_fp8.autocast("fp8_hybrid"):
+            self.assertEqual(float(compiled(torch.zeros(()))), 2.0)
+        self.assertEqual(float(compiled(torch.zeros(()))), 1.0)
+
     def test_bad_arguments(self):
         with self.assertRaisesRegex(ValueError, "enabled"):
             with keras_fp8.autocast(enabled="yes"):
