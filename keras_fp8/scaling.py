@@ -59,7 +59,7 @@ def dequantize(q, scale, dtype="float32"):
 
 def compute_amax(x):
     """Returns `max(|x|)` as a float32 scalar; NaN or inf if `x` has one."""
-    return ops.max(ops.abs(ops.cast(x, "float32")))
+    return ops.amax(ops.abs(ops.cast(x, "float32")))
 
 
 def is_usable_amax(amax):
@@ -67,9 +67,18 @@ def is_usable_amax(amax):
     return ops.logical_and(ops.isfinite(amax), ops.greater(amax, 0.0))
 
 
+def _float32_constant(value):
+    """`value` rounded to float32, as a Python float (exact in float32).
+
+    A Python float rather than a NumPy scalar: torch.compile cannot trace
+    Keras's conversion of a NumPy scalar (a graph break per use).
+    """
+    return float(np.float32(value))
+
+
 def inverse_format_max(fmt):
     """`1 / fmt_max` rounded to float32: the constant scales are built from."""
-    return np.float32(1.0 / recipes.FORMAT_MAX[fmt])
+    return _float32_constant(1.0 / recipes.FORMAT_MAX[fmt])
 
 
 def compute_scale(amax_window, previous_scale, fmt, margin=0.0):
@@ -87,7 +96,7 @@ def compute_scale(amax_window, previous_scale, fmt, margin=0.0):
     """
     scale = ops.multiply(
         ops.multiply(amax_window, inverse_format_max(fmt)),
-        np.float32(2.0 ** -float(margin)),
+        _float32_constant(2.0 ** -float(margin)),
     )
     return ops.where(is_usable_amax(amax_window), scale, previous_scale)
 
@@ -108,7 +117,7 @@ def amax_window(history, amax_compute_algo="max", history_len=None):
         return history[0]
     if history_len is not None and history_len < history.shape[0]:
         history = history[:history_len]
-    return ops.max(history)
+    return ops.amax(history)
 
 
 def record_amax(history, amax, skip_zero=False):
@@ -130,7 +139,7 @@ def record_amax(history, amax, skip_zero=False):
 
 def history_is_empty(history):
     """True while nothing non-zero has been recorded in `history`."""
-    return ops.equal(ops.max(history), 0.0)
+    return ops.equal(ops.amax(history), 0.0)
 
 
 def delayed_scale_update(amax, history, scale, fmt, recipe, record=True):

@@ -341,3 +341,62 @@ class NoSpuriousWarningTest(parameterized.TestCase):
             cwd=repo, check=True,
         )
         self.assertNotIn("Gradients do not exist", result.stderr)
+
+
+class TorchCompileTracesTest(parameterized.TestCase):
+    """Under torch.compile an FP8 layer is one graph on every path: the
+    compiled kernels (tests/test_torch_dispatch.py, on an FP8 GPU) and the
+    emulation that runs everywhere else (here)."""
+
+    def setUp(self):
+        super().setUp()
+        if keras.backend.backend() != "torch":
+            self.skipTest("torch.compile")
+
+    @parameterized.product(
+        kind=["delayed", "bias_relu", "einsum", "current", "small_gemm"],
+        training=[True, False],
+    )
+    def test_layer_call_has_no_graph_break(self, kind, training):
+        import torch
+
+        from keras_fp8.layers import FP8EinsumDense
+
+        shape = (2, 4, 32)
+        layer = {
+            "delayed": lambda: FP8Dense(16, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0),
+            "bias_relu": lambda: FP8Dense(16, activation="relu", dtype="fp8_hybrid", min_gemm_size=0),
+            "einsum": lambda: FP8EinsumDense("abc,cd->abd", (None, 16), dtype="fp8_hybrid", min_gemm_size=0),
+            "current": lambda: FP8Dense(16, dtype="fp8_e4m3", recipe=keras_fp8.CurrentScaling(), min_gemm_size=0),
+            # Below min_gemm_size: compute-dtype GEMMs, state still kept.
+            "small_gemm": lambda: FP8Dense(16, dtype="fp8_hybrid"),
+        }[kind]()
+        layer.build(shape)
+        x = keras.ops.cast(rng_normal(shape, 0), "bfloat16")
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(lambda x: layer(x, training=training))(x)
+        self.assertEqual(explained.graph_break_count, 0, explained.break_reasons)
+        self.assertEqual(explained.graph_count, 1)
+
+    def test_compiled_training_calls_equal_eager(self):
+        import torch
+
+        def run(compiled):
+            layer = FP8Dense(16, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0)
+            layer.build((8, 32))
+            layer.kernel.assign(rng_normal((32, 16), 1))
+            call = lambda x: layer(x, training=True)  # noqa: E731
+            if compiled:
+                torch._dynamo.reset()
+                call = torch.compile(call, fullgraph=True, backend="aot_eager")
+            results = []
+            for seed in range(3):
+                x = keras.ops.cast(rng_normal((8, 32), 10 + seed), "bfloat16")
+                x.requires_grad_(True)
+                y = call(x)
+                y.float().square().sum().backward()
+                results += [to_numpy(y.detach().float()), to_numpy(x.grad.float())]
+            return results + [to_numpy(v) for v in layer.fp8_state_variables]
+
+        for eager, compiled in zip(run(False), run(True)):
+            np.testing.assert_array_equal(compiled, eager)
