@@ -47,6 +47,7 @@ _default_backend_if_unusable()
 import keras as _keras  # noqa: E402
 
 from keras_fp8 import autocast as _autocast_module  # noqa: E402
+from keras_fp8 import backends as _backends
 from keras_fp8 import policy as _policy_module
 from keras_fp8 import layers
 from keras_fp8 import optimizers
@@ -68,6 +69,7 @@ _xla_flags.configure(_keras.backend.backend())
 _policy_module.register()
 _autocast_module.register()
 optimizers.register()
+_backends.preload()
 
 __all__ = [
     "CurrentScaling",

@@ -10,6 +10,16 @@ def to_numpy(x):
     return keras.ops.convert_to_numpy(keras.ops.cast(x, "float32"))
 
 
+def assert_traces_as_one_graph(fn, x):
+    """Asserts that torch.compile traces `fn(x)` as one graph, by calling it
+    compiled with `fullgraph=True` (which raises at any graph break;
+    `torch._dynamo.explain` misses one made before the first traced op)."""
+    import torch
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend="eager")(x)
+
+
 def train_call_with_grads(layer, x, upstream):
     """Calls `layer(x, training=True)` and backpropagates `upstream`.
 

@@ -14,6 +14,7 @@ from absl.testing import parameterized
 import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
+from tests.backend_utils import assert_traces_as_one_graph
 from tests.backend_utils import rng_normal
 from tests.backend_utils import to_numpy
 from tests.torch_ops_utils import counting_linear_folded
@@ -392,10 +393,24 @@ class TorchCompileTest(parameterized.TestCase):
         layer.build(shape)
         x = torch.tensor(rng_normal(shape, 0), device=_device()).bfloat16()
         with _Dispatch():
-            torch._dynamo.reset()
-            explained = torch._dynamo.explain(lambda x: layer(x, training=True))(x)
-        self.assertEqual(explained.graph_break_count, 0, explained.break_reasons)
-        self.assertEqual(explained.graph_count, 1)
+            assert_traces_as_one_graph(lambda x: layer(x, training=True), x)
+
+    def test_build_settles_where_the_matmuls_run(self):
+        # Decided when an FP8 layer builds (eager), not in its first call,
+        # which torch.compile may trace; not at all for a layer that never
+        # computes in FP8 (no FP8-hardware warning for it).
+        from unittest import mock
+
+        from keras_fp8.backends import torch as torch_backend
+
+        with mock.patch.object(torch_backend, "_kernels_for") as kernels_for:
+            FP8Dense(4, dtype="fp8_hybrid").build((2, 8))
+            self.assertEqual(kernels_for.call_count, 1)
+            FP8Dense(4, dtype="mixed_bfloat16").build((2, 8))
+            self.assertEqual(kernels_for.call_count, 1)
+            with keras_fp8.autocast("fp8_hybrid"):
+                FP8EinsumDense("ab,bc->ac", 4, dtype="float32").build((2, 8))
+            self.assertEqual(kernels_for.call_count, 2)
 
     def test_fit_with_jit_compile_equals_eager(self):
         def train(jit_compile):

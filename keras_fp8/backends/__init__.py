@@ -23,8 +23,8 @@ import importlib
 import keras
 
 _SUPPORTED = ("jax", "torch")
-# Imported once: `importlib` inside a traced call would break a torch.compile
-# graph.
+# Imported once, at `import keras_fp8` (`preload`): `importlib` inside a
+# traced call would break a torch.compile graph.
 _LOADED = {}
 
 
@@ -42,3 +42,24 @@ def get():
     module = importlib.import_module(f"keras_fp8.backends.{name}")
     _LOADED[name] = module
     return module
+
+
+def preload():
+    """Imports the current Keras backend's module now, if it is supported.
+
+    Called by `import keras_fp8`, so that an FP8 layer's first call never
+    imports: inside torch.compile that import would be a graph break.
+    """
+    if keras.backend.backend() in _SUPPORTED:
+        get()
+
+
+def prepare_device(tensor):
+    """Lets the current backend settle, in eager code, where FP8 matmuls on
+    `tensor`'s device will run (torch: whether the compiled kernels serve
+    it), so that a later traced call does not. A no-op elsewhere."""
+    if keras.backend.backend() not in _SUPPORTED:
+        return
+    prepare = getattr(get(), "prepare_device", None)
+    if prepare is not None:
+        prepare(tensor)

@@ -59,6 +59,13 @@ def _kernels_for(tensor):
     return _USABLE_BY_DEVICE[index]
 
 
+def prepare_device(tensor):
+    """Decides (and caches) whether the compiled kernels serve `tensor`'s
+    device: the import, the capability check and the one-time warning run
+    here, when a layer builds, and not inside a call torch.compile traces."""
+    _kernels_for(tensor)
+
+
 def _cuda_scaled_matmul(torch_ops):
     def matmul(a_q, b_q, scale, out_dtype):
         # cuBLASLt wants both operands K-contiguous: b as (N, K).

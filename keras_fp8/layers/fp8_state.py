@@ -130,6 +130,12 @@ class FP8StateMixin:
         # Lets keras_fp8.optimizers.LossScaleOptimizer find it.
         pending._keras_fp8_pending_grad_amax = True
         state("grad_fold_state", (3,))
+        # Where the FP8 matmuls of the state's device run is decided now, in
+        # eager code, rather than in the first call (perhaps a traced one).
+        # Only for a layer built to compute in FP8: no warning about FP8
+        # hardware for one that never will.
+        if self._fp8_recipe() is not None:
+            backends.prepare_device(pending.value)
 
     @property
     def fp8_state_variables(self):
