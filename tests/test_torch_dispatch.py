@@ -381,19 +381,31 @@ class FastCallTest(parameterized.TestCase):
 class TorchCompileTest(parameterized.TestCase):
     """jit_compile=True (torch.compile) on the torch_ops path."""
 
-    @parameterized.named_parameters(
-        ("dense", lambda: FP8Dense(16, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0), (8, 32)),
-        ("einsum", lambda: FP8EinsumDense("abc,cd->abd", (None, 16), dtype="fp8_hybrid[history_len=4]",
+    _LAYERS = {
+        "dense": (lambda: FP8Dense(16, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0), (8, 32)),
+        "dense_bias_relu_3d": (lambda: FP8Dense(16, activation="relu", dtype="fp8_hybrid", min_gemm_size=0),
+                               (2, 8, 32)),
+        "einsum": (lambda: FP8EinsumDense("abc,cd->abd", (None, 16), dtype="fp8_hybrid[history_len=4]",
                                           min_gemm_size=0), (2, 4, 32)),
-    )
-    def test_fp8_layer_traces_without_graph_breaks(self, make, shape):
+        "einsum_transposes": (lambda: FP8EinsumDense("abc,dc->adb", (16, None), dtype="fp8_hybrid",
+                                                     min_gemm_size=0), (2, 4, 32)),
+        "current_scaling": (lambda: FP8Dense(16, dtype="fp8_e4m3", recipe=keras_fp8.CurrentScaling(),
+                                             min_gemm_size=0), (8, 32)),
+        "below_min_gemm_size": (lambda: FP8Dense(16, dtype="fp8_hybrid"), (8, 32)),
+        "float16": (lambda: FP8Dense(16, dtype="fp8_hybrid_float16", min_gemm_size=0), (8, 32)),
+    }
+
+    @parameterized.product(kind=sorted(_LAYERS), training=[True, False])
+    def test_fp8_layer_traces_without_graph_breaks(self, kind, training):
         import torch
 
+        make, shape = self._LAYERS[kind]
         layer = make()
         layer.build(shape)
-        x = torch.tensor(rng_normal(shape, 0), device=_device()).bfloat16()
+        dtype = torch.float16 if kind == "float16" else torch.bfloat16
+        x = torch.tensor(rng_normal(shape, 0), device=_device()).to(dtype)
         with _Dispatch():
-            assert_traces_as_one_graph(lambda x: layer(x, training=True), x)
+            assert_traces_as_one_graph(lambda x: layer(x, training=training), x)
 
     def test_build_settles_where_the_matmuls_run(self):
         # Decided when an FP8 layer builds (eager), not in its first call,
