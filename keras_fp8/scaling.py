@@ -68,12 +68,13 @@ def is_usable_amax(amax):
 
 
 def _float32_constant(value):
-    """`value` rounded to float32, as a Python float (exact in float32).
+    """`value` rounded to float32, as a float32 tensor.
 
-    A Python float rather than a NumPy scalar: torch.compile cannot trace
-    Keras's conversion of a NumPy scalar (a graph break per use).
+    Converted from a Python float (exact in float32), not a NumPy scalar:
+    torch.compile cannot trace Keras's conversion of a NumPy scalar (a graph
+    break per use). The dtype is explicit, whatever `keras.config.floatx()`.
     """
-    return float(np.float32(value))
+    return ops.convert_to_tensor(float(np.float32(value)), dtype="float32")
 
 
 def inverse_format_max(fmt):
