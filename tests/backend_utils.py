@@ -1,7 +1,12 @@
 """Backend-specific test helpers: gradients through a layer, tensors."""
 
+import os
+
 import keras
 import numpy as np
+
+# The repository's root (subprocesses of tests run there).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def to_numpy(x):
@@ -112,10 +117,7 @@ def subprocess_env(**overrides):
     """The environment for a Python subprocess of a test: this repository
     first on `PYTHONPATH`, the caller's entries kept (on the GPU machine Keras
     itself comes from `PYTHONPATH`), plus `overrides`."""
-    import os
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = [repo] + [
+    path = [REPO] + [
         p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
     ]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **overrides)

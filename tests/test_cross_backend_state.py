@@ -6,19 +6,18 @@ pending gradient amax (the matmul results may differ in the last float32
 bits, which the state never sees here: the upstream gradient is given).
 """
 
-import os
 import subprocess
 import sys
 
 import keras
 import numpy as np
 
+from tests.backend_utils import REPO
 from tests.backend_utils import rng_normal
 from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
 from tests.backend_utils import train_call_with_grads
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NAMES = (
     "input_scale", "input_amax_history", "kernel_scale", "kernel_amax_history",
     "grad_scale", "grad_amax_history", "grad_amax_pending", "grad_fold_state",
@@ -50,7 +49,7 @@ def test_torch_and_jax_states_are_bit_identical(tmp_path):
         f"np.savez({out!r}, **run_steps({policy!r}))\n"
     )
     env = subprocess_env(KERAS_BACKEND=other, TORCH_OPS_FP8_MIN_GEMM_SIZE="0")
-    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=_REPO)
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO)
     theirs = dict(np.load(out))
     ours = run_steps(policy)
     for name in _NAMES:

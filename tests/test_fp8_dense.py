@@ -1,7 +1,5 @@
 """FP8Dense: numerics against an explicit quantize-then-matmul reference."""
 
-import os
-
 import keras
 import ml_dtypes
 import numpy as np
@@ -10,14 +8,13 @@ from absl.testing import parameterized
 import keras_fp8
 from keras_fp8.layers import FP8Dense
 from tests import reference
+from tests.backend_utils import REPO
 from tests.backend_utils import assert_traces_as_one_graph
 from tests.backend_utils import gemm_rtol
 from tests.backend_utils import rng_normal
 from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
 from tests.backend_utils import train_call_with_grads
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _BF16 = ml_dtypes.bfloat16
 
@@ -327,7 +324,6 @@ class NoSpuriousWarningTest(parameterized.TestCase):
         ))
 
     def test_fit_without_fp8_prints_no_missing_gradient_warning(self):
-        import os
         import subprocess
         import sys
 
@@ -338,13 +334,9 @@ class NoSpuriousWarningTest(parameterized.TestCase):
             "m.compile('sgd', 'mse')\n"
             "m.fit(np.ones((8, 8)), np.ones((8, 4)), verbose=0)\n"
         )
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         result = subprocess.run(
             [sys.executable, "-c", script], capture_output=True, text=True,
-            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                [repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-            )),
-            cwd=repo, check=True,
+            env=subprocess_env(), cwd=REPO, check=True,
         )
         self.assertNotIn("Gradients do not exist", result.stderr)
 
@@ -395,7 +387,7 @@ class TorchCompileTracesTest(parameterized.TestCase):
             "assert_traces_as_one_graph(lambda x: layer(x, training=True), x)\n"
         )
         subprocess.run([sys.executable, "-c", script], check=True,
-                       env=subprocess_env(KERAS_BACKEND="torch"), cwd=_REPO)
+                       env=subprocess_env(KERAS_BACKEND="torch"), cwd=REPO)
 
     def test_compiled_training_calls_equal_eager(self):
         import torch

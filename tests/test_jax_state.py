@@ -7,6 +7,7 @@ import pytest
 
 import keras_fp8
 from tests import reference
+from tests.backend_utils import REPO
 from tests.backend_utils import rng_normal
 from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
@@ -88,7 +89,6 @@ def test_jax_and_torch_emulations_quantize_identically(tmp_path):
     """Same inputs and scale: the JAX bytes equal the reference (and torch's)."""
     import subprocess
     import sys
-    import os
 
     from keras_fp8 import scaling
     from tests.backend_utils import fp8_bytes
@@ -105,23 +105,20 @@ def test_jax_and_torch_emulations_quantize_identically(tmp_path):
         "for fmt in ('e4m3', 'e5m2'):\n"
         f"    np.save({str(tmp_path)!r} + '/' + fmt + '.npy', fp8_bytes(scaling.quantize(x, np.float32({float(scale)!r}), fmt)))\n"
     )
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = subprocess_env(KERAS_BACKEND="torch")
-    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=repo)
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO)
     for fmt in ("e4m3", "e5m2"):
         np.testing.assert_array_equal(np.load(tmp_path / f"{fmt}.npy"), ours[fmt])
 
 
 def test_bad_gemm_output_setting_is_named():
-    import os
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = subprocess_env(KERAS_BACKEND="jax", KERAS_FP8_JAX_GEMM_OUTPUT="bfloat16")
     result = subprocess.run(
         [sys.executable, "-c", "import keras_fp8.backends.jax"],
-        capture_output=True, text=True, env=env, cwd=repo,
+        capture_output=True, text=True, env=env, cwd=REPO,
     )
     assert result.returncode != 0
     assert "KERAS_FP8_JAX_GEMM_OUTPUT: expected 'float32' or 'compute'" in result.stderr

@@ -12,12 +12,12 @@ from absl.testing import parameterized
 import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
+from tests.backend_utils import REPO
 from tests.backend_utils import real_fp8_gemm
 from tests.backend_utils import rng_normal
 from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_model():
@@ -100,7 +100,7 @@ class SavingTest(parameterized.TestCase):
             "np.asarray(m.predict(x, verbose=0)).astype(np.float32))\n"
         )
         env = subprocess_env(KERAS_BACKEND=other)
-        subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=_REPO)
+        subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO)
 
         keras.mixed_precision.set_global_policy("float32")
         # Keras serializes a torch optimizer under its torch-only module path,
