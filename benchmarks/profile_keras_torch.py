@@ -6,7 +6,9 @@ Builds the decoder of benchmarks/model.py (same flags), trains a few warm-up
 steps with model.fit, then profiles --steps more and prints: the kernels with
 the most CUDA time, GPU busy time against wall time per step (a GPU that waits
 for the host shows as busy < wall), and the host-synchronizing calls counted
-by `torch.cuda.set_sync_debug_mode("warn")`.
+by `torch.cuda.set_sync_debug_mode("warn")`. `--gaps N` also lists the N
+longest stretches in which no kernel ran, with the kernels on either side
+(where a step's GPU idle time falls).
 """
 
 import argparse
@@ -32,6 +34,8 @@ def main():
     parser.add_argument("--ops-json", default=None,
                         help="also record input shapes and write {op and its input shapes: [calls, us of kernels "
                              "it launched itself, per step]} to this file (which op runs which copy or cast)")
+    parser.add_argument("--gaps", type=int, default=0,
+                        help="also list this many of the longest GPU idle stretches, with the kernels around them")
     args, rest = parser.parse_known_args()
     import keras
     import torch
@@ -82,6 +86,8 @@ def main():
     print(f"host-synchronizing calls: {sum(sync_stacks.values())}")
     for stack, count in sync_stacks.most_common(12):
         print(f"  sync x{count}: {stack}")
+    if args.gaps and kernels:
+        print_gaps(prof.events(), cuda_type.CUDA, args.gaps, args.steps)
     if args.json:
         import json
 
@@ -99,6 +105,25 @@ def main():
         with open(args.ops_json, "w") as f:
             json.dump(ops, f, indent=0)
     print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.top, max_name_column_width=110))
+
+
+def print_gaps(events, cuda, top, steps):
+    """The `top` longest stretches without a running kernel, in time order of
+    the profiled window, and their total per step."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if getattr(e, "device_type", None) == cuda)
+    gaps, end, last = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append((start - end, end, last, name))
+        if stop > end:
+            end, last = stop, name
+    total = sum(g[0] for g in gaps)
+    print(f"GPU idle between the first and last kernel: {total / 1e3 / steps:.2f} ms/step in {len(gaps)} gaps; "
+          f"gaps > 50 us: {sum(g[0] for g in gaps if g[0] > 50) / 1e3 / steps:.2f} ms/step")
+    t0 = spans[0][0]
+    for us, at, before, after in sorted(sorted(gaps, reverse=True)[:top], key=lambda g: g[1]):
+        print(f"  gap {us / 1e3:7.3f} ms at {(at - t0) / 1e3:8.2f} ms: {before[:60]} -> {after[:60]}")
 
 
 if __name__ == "__main__":
