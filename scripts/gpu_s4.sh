@@ -16,6 +16,7 @@
 #   bigidx  the same with --qkv index (q/k/v by three index-selects, the benchmark's code before session 6)
 #   model   the issue's Keras model, mixed_bfloat16 then fp8_hybrid
 #   mprof   profile_keras_torch.py for both policies (kernel tables, kern_*.json)
+#   qmodel  benchmarks/quant_in_model.py: the quantize kernels in the issue model's step vs the same calls alone
 source "$(dirname "$0")/lib.sh"
 device_init 550
 PHASES=${PHASES:-"build tests qbench"}
@@ -125,6 +126,10 @@ if has mprof; then
       benchmarks/profile_keras_torch.py --policy $p --steps 2 --top 40 --json "$OUT/kern_$p.json"
     grep -E "^# |^host-sync" "$OUT/mprof_$p.txt" | tee -a "$LOG"
   done
+fi
+if has qmodel; then
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KERAS_BACKEND=torch step qmodel 150 python3 benchmarks/quant_in_model.py
+  grep -E "^\||^quantize" "$OUT/qmodel.txt" | tee -a "$LOG"
 fi
 if has model; then
   for p in mixed_bfloat16 fp8_hybrid; do
