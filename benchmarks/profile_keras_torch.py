@@ -76,9 +76,9 @@ def main():
         torch.cuda.set_sync_debug_mode(0)
     events = prof.key_averages()
     # Kernel rows only: a CPU op's self device time repeats its kernels'.
-    cuda_type = getattr(torch.autograd, "DeviceType", None)
-    kernels = [e for e in events if cuda_type is not None
-               and getattr(e, "device_type", None) == cuda_type.CUDA]
+    device_type = getattr(torch.autograd, "DeviceType", None)
+    kernels = [e for e in events if device_type is not None
+               and getattr(e, "device_type", None) == device_type.CUDA]
     total_cuda_us = sum(e.self_device_time_total for e in kernels)
     print(f"# {keras.backend.backend()} {args.policy}: {args.steps} profiled steps, wall "
           f"{1e3 * wall / args.steps:.1f} ms/step (profiler on), GPU busy "
@@ -87,7 +87,7 @@ def main():
     for stack, count in sync_stacks.most_common(12):
         print(f"  sync x{count}: {stack}")
     if args.gaps and kernels:
-        print_gaps(prof.events(), cuda_type.CUDA, args.gaps, args.steps)
+        print_gaps(prof.events(), device_type.CUDA, args.gaps, args.steps)
     if args.json:
         import json
 
@@ -97,10 +97,9 @@ def main():
     if args.ops_json:
         import json
 
-        cpu_type = getattr(torch.autograd, "DeviceType", None)
         ops = {}
         for e in prof.key_averages(group_by_input_shape=True):
-            if cpu_type is not None and getattr(e, "device_type", None) == cpu_type.CPU and e.self_device_time_total:
+            if device_type is not None and getattr(e, "device_type", None) == device_type.CPU and e.self_device_time_total:
                 ops[f"{e.key} {e.input_shapes}"] = [e.count / args.steps, e.self_device_time_total / args.steps]
         with open(args.ops_json, "w") as f:
             json.dump(ops, f, indent=0)

@@ -98,7 +98,7 @@ def main():
     print("| kernel | grid | calls per step | us in the model | us alone | model / alone |")
     print("|---|---|---|---|---|---|")
     total_model = total_alone = 0.0
-    for key in sorted(set(in_model) | set(alone), key=lambda k: (k[0], k[1])):
+    for key in sorted(set(in_model) | set(alone)):
         m, a = in_model.get(key, []), alone.get(key, [])
         mm = sum(m) / len(m) if m else float("nan")
         aa = sum(a) / len(a) if a else float("nan")
