@@ -50,7 +50,9 @@ struct AmaxRecord {
   const at::Tensor* scale;
   int fmt;
 };
-void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv);
+struct FoldJob;  // below
+// `fold`: optional; the last block of the first tensor's job also runs it.
+void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv, const FoldJob* fold = nullptr);
 
 // keras_fp8's gradient channel folded into the gradient's scaling state by
 // one block (fold.cu: fold_grad_amax, and torch_ops/fold.py for the meaning

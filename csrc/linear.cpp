@@ -363,7 +363,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     // are launched after the GEMM, below.
     QuantizeExtras with_fold;
     if (fold) with_fold.fold = *fold;
-    if (small && fold) fold_launch(x2d, *fold);
+    // Small: the fold rides on the x/weight record launch below when there
+    // is one (one launch fewer per step); on its own otherwise.
+    if (small && fold && !record) fold_launch(x2d, *fold);
     if (!small) {
       Q qx = quant(x2d, state[1], state[0], kE4M3, (int)scaling, mdiv, (int)algo, need_dw, record, true, at::Tensor(),
                    fold ? &with_fold : nullptr);
@@ -398,7 +400,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     // autograd (native_small) record_in_backward places them. Without recording
     // nothing is updated.
     const AmaxRecord recs[2] = {{&x2d, &state[1], &state[0], kE4M3}, {&wd, &state[3], &state[2], kE4M3}};
-    amax_record_launch(recs, 2, (int)algo, mdiv);
+    amax_record_launch(recs, 2, (int)algo, mdiv, fold);
   }
   if (x.dim() == 2) return out;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);

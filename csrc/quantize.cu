@@ -1438,7 +1438,7 @@ void launch_by_driver(int device, dim3 grid, dim3 block, cudaStream_t stream, vo
 // quantize_delayed(record=True, write_q=False, transpose=False), in one
 // launch. The tensors: contiguous CUDA tensors (any shape) of
 // bf16/fp16/fp32 on one device; each record names its format.
-void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv_d) {
+void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv_d, const FoldJob* fold) {
   TORCH_CHECK(n >= 1 && n <= kMaxRecordJobs, "amax_record_launch: expected 1 to ",
               std::to_string(kMaxRecordJobs), " tensors, got ", std::to_string(n));
   const at::Tensor& x0 = *recs[0].x;
@@ -1479,6 +1479,7 @@ void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv_d) 
     f.seed_H = f.H;
     f.scale_used_out = scratch + i;
   }
+  if (fold) jobs.j[0].f.extras.fold = *fold;  // block_done's last block folds
   // About eight 16-byte loads per thread for the largest tensor, at most two
   // blocks per SM per job: one wave at the small path's sizes (a third of
   // the blocks of the grid before session 8, whose ~10 us of GPU time for
