@@ -342,6 +342,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   const bool native_small = small && needs_graph && !sink.has_value() &&
                             (!bias.has_value() || bias->scalar_type() == x2d.scalar_type());
 
+  const bool record_after_gemm = small && record && !native_small;
+
   Extra e;
   e.flags = (small ? kSmall : 0) | (in_out ? kInOut : 0) | (need_dx ? kNeedDx : 0) | (need_dw ? kNeedDw : 0) |
             ((record && !sink.has_value()) ? kRecordGrad : 0) | (bias.has_value() ? kHasBias : 0) |
@@ -363,9 +365,10 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     // are launched after the GEMM, below.
     QuantizeExtras with_fold;
     if (fold) with_fold.fold = *fold;
-    // Small: the fold rides on the x/weight record launch below when there
-    // is one (one launch fewer per step); on its own otherwise.
-    if (small && fold && !record) fold_launch(x2d, *fold);
+    // Small: the fold rides on the x/weight record launch after the GEMM
+    // where there is one (one launch fewer per step); on its own otherwise
+    // (not recording, or PyTorch's autograd node recording in the backward).
+    if (small && fold && !record_after_gemm) fold_launch(x2d, *fold);
     if (!small) {
       Q qx = quant(x2d, state[1], state[0], kE4M3, (int)scaling, mdiv, (int)algo, need_dw, record, true, at::Tensor(),
                    fold ? &with_fold : nullptr);
@@ -394,7 +397,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
       out = fp8_gemm(e.qx, e.qw_fwd, e.sx, e.sw, bias_as(bias, x2d.scalar_type()), x2d.scalar_type(), true);
     }
   }
-  if (small && record && !native_small) {
+  if (record_after_gemm) {
     // x's and the weight's record after the GEMM's launch (which it does not
     // delay); the gradient's is in LinearFn's backward. With PyTorch's
     // autograd (native_small) record_in_backward places them. Without recording

@@ -307,6 +307,9 @@ class LinearFoldedKernelTest(parameterized.TestCase):
         ("inference", dict(training=False)),
         ("no_grad", dict(no_grad=True)),
         ("pending_without_grad", dict(pending_grad=False)),
+        # Small with autograd but no sink: PyTorch's own node records in the
+        # backward, so the fold needs its own launch.
+        ("small_pending_without_grad", dict(pending_grad=False, mgs=1 << 40)),
         ("inf_gradient", dict(inf_step=1)),
         ("inf_gradient_small", dict(inf_step=1, mgs=1 << 40)),
         ("tuple_state", dict(as_tuple=True)),
