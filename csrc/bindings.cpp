@@ -20,7 +20,7 @@ int set_tile_version(int version);
 std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int rows, int pdl);
 int set_delayed_prepass(int mode);
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt, int algo,
-                        double mdiv, bool skip_zero);
+                        double mdiv, bool skip_zero, const at::Tensor* scale_used);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -29,7 +29,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                          const at::Tensor& pending, const at::Tensor& fold_state, const std::vector<at::Tensor>& state,
                          int64_t grad_fmt, double mdiv, int64_t algo, int64_t window, bool in_out, bool training,
-                         int64_t min_gemm_size);
+                         int64_t min_gemm_size, const std::vector<at::Tensor>& prequantized);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state,
                                                               const at::Tensor& history, const at::Tensor& scale,
                                                               double inv_max, double mdiv, int algo,
@@ -119,7 +119,7 @@ void record_amax(const at::Tensor& history, const at::Tensor& scale, const at::T
   check_f32(history, "amax_history", history, false);
   check_f32(scale, "scale", history, true);
   check_f32(amax, "amax", history, true);
-  torch_ops::record_amax_launch(history, scale, amax, fmt, algo, mdiv, skip_zero);
+  torch_ops::record_amax_launch(history, scale, amax, fmt, algo, mdiv, skip_zero, nullptr);
 }
 
 int set_tile_version(int64_t version) {
@@ -171,7 +171,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(None: a tensor is not plain, take the Python path)");
   m.def("linear_folded", &torch_ops::linear_folded,
         "x, weight, bias, pending, fold_state, state[6], grad_fmt, mdiv, algo, window, in_out, training, "
-        "min_gemm_size -> out (None: a tensor is not plain)");
+        "min_gemm_size, prequantized (none, or the weight's quantize_delayed(record=False, transpose, pad) outputs) "
+        "-> out (None: a tensor is not plain)");
   m.def("fold_grad_amax", &torch_ops::fold_grad_amax,
         "pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale -> (token, scale, history)");
 }

@@ -30,6 +30,8 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
                      const QuantizeExtras* extras);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum);
+void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt, int algo,
+                        double mdiv, bool skip_zero, const at::Tensor* scale_used);
 
 namespace {
 
@@ -76,6 +78,31 @@ Q quant(const at::Tensor& x, const at::Tensor& hist, const at::Tensor& scale, in
                     false, extras);
   }
   return o;
+}
+
+// The weight's quantize done ahead of this call (torch_ops.prequantize_weight:
+// quantize_delayed(record=False, transpose=True, pad=True, write_q=True) with
+// this call's kernel state, on a side stream the caller has waited for):
+// checked against the weight, then its amax is recorded as the quantize here
+// would have (history shift, next scale from the scale it used).
+Q take_prequantized(const std::vector<at::Tensor>& pre, const at::Tensor& w, const at::Tensor& hist,
+                    const at::Tensor& scale, int algo, double mdiv) {
+  TORCH_CHECK_VALUE(pre.size() == 4, "prequantized: expected (q, qt, scale_used, amax), got ",
+                    std::to_string(pre.size()), " tensors");
+  const long long R = w.size(0), C = w.size(1);
+  const auto ok_fp8 = [&](const at::Tensor& t, long long rows, long long ld) {
+    return t.scalar_type() == at::kFloat8_e4m3fn && t.dim() == 2 && t.size(0) == rows && t.size(1) == ld &&
+           t.is_contiguous() && t.device() == w.device();
+  };
+  const auto ok_f32 = [&](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.numel() == 1 && t.device() == w.device();
+  };
+  TORCH_CHECK_VALUE(ok_fp8(pre[0], R, r16(C)) && ok_fp8(pre[1], C, r16(R)) && ok_f32(pre[2]) && ok_f32(pre[3]),
+                    "prequantized: expected float8_e4m3fn (", std::to_string(R), ", ", std::to_string(r16(C)),
+                    ") and (", std::to_string(C), ", ", std::to_string(r16(R)),
+                    ") tensors and two float32 scalars on the weight's device");
+  record_amax_launch(hist, scale, pre[3], kE4M3, algo, mdiv, false, &pre[2]);
+  return Q{pre[0], pre[1], pre[2], pre[3]};
 }
 
 // Flags of one call, kept in the autograd context as one integer.
@@ -321,7 +348,8 @@ void record_in_backward(const at::Tensor& out, const at::Tensor& x2d, const at::
 // training calls), done by the last block of x's quantize where there is one.
 at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, const std::vector<at::Tensor>& state,
                int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo, bool in_out, bool training,
-               int64_t min_gemm_size, int64_t sink_flags, const at::Tensor& token, const FoldJob* fold) {
+               int64_t min_gemm_size, int64_t sink_flags, const at::Tensor& token, const FoldJob* fold,
+               const std::vector<at::Tensor>& pre) {
   const long long K = a.K, N = a.N;
   const c10::optional<at::Tensor>& bias = a.bias;
   const c10::optional<at::Tensor>& sink = a.sink;
@@ -373,8 +401,10 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
       Q qx = quant(x2d, state[1], state[0], kE4M3, (int)scaling, mdiv, (int)algo, need_dw, record, true, at::Tensor(),
                    fold ? &with_fold : nullptr);
       // The forward wants (N, K), the dX GEMM (K, N); out_in stores (N, K).
-      Q qw = quant(wd, state[3], state[2], kE4M3, (int)scaling, mdiv, (int)algo, in_out || need_dx, record,
-                   (!in_out) || need_dx);
+      Q qw = (record && scaling == kDelayed && !pre.empty())
+                 ? take_prequantized(pre, wd, state[3], state[2], (int)algo, mdiv)
+                 : quant(wd, state[3], state[2], kE4M3, (int)scaling, mdiv, (int)algo, in_out || need_dx, record,
+                         (!in_out) || need_dx);
       e.qx = qx.q;
       e.qxt = qx.qt;
       e.sx = qx.scale_used;
@@ -424,13 +454,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                       "grad_amax_sink: expected a 0-d float32 tensor with requires_grad=True");
   }
   return run(x, weight, a, state, grad_fmt, scaling, mdiv, algo, in_out, training, min_gemm_size, 0, at::Tensor(),
-             nullptr);
+             nullptr, {});
 }
 
 at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
                          const at::Tensor& pending, const at::Tensor& fold_state, const std::vector<at::Tensor>& state,
                          int64_t grad_fmt, double mdiv, int64_t algo, int64_t window, bool in_out, bool training,
-                         int64_t min_gemm_size) {
+                         int64_t min_gemm_size, const std::vector<at::Tensor>& prequantized) {
   if (!plain(x) || !plain(weight) || !plain(bias_in) || !plain(pending) || !plain(fold_state) || !all_plain(state))
     return at::Tensor();
   Args a = check_args(x, weight, bias_in, state, in_out);
@@ -454,7 +484,7 @@ at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c1
   }
   if (at::GradMode::is_enabled() && pending.requires_grad()) a.sink = pending;
   return run(x, weight, a, st, grad_fmt, kDelayed, mdiv, algo, in_out, training, min_gemm_size, kSinkVec | kRoundDb,
-             folded.token, training ? &folded.job : nullptr);
+             folded.token, training ? &folded.job : nullptr, prequantized);
 }
 
 }  // namespace torch_ops

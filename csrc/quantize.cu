@@ -1491,8 +1491,11 @@ void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv_d, 
                                         params);
 }
 
+// `scale_used`: the scale the amax's tensor was quantized with, for the
+// next-scale rule's fallback (null: the state's scale, read before it is
+// written).
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt,
-                        int algo, double mdiv_d, bool skip_zero) {
+                        int algo, double mdiv_d, bool skip_zero, const at::Tensor* scale_used) {
   const DeviceScope device_scope(history);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // The kernel reads scale (as scale_used) and writes it: one thread does both
@@ -1503,7 +1506,7 @@ void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, cons
   f.history = history.data_ptr<float>();
   f.H = history.numel();
   f.scale_state = scale.data_ptr<float>();
-  f.scale_used = scale.data_ptr<float>();
+  f.scale_used = scale_used ? scale_used->data_ptr<float>() : scale.data_ptr<float>();
   f.algo = algo;
   f.fmax = fmax_of(fmt);
   f.mdiv = (float)mdiv_d;

@@ -197,6 +197,74 @@ class TorchDispatchTest(parameterized.TestCase):
         model.predict(x, verbose=0)
 
 
+class PrequantizeTest(parameterized.TestCase):
+    """The FP8 kernels quantized ahead after each optimizer update
+    (`backends.torch.prequantize_kernels`, hooked into the torch trainer's
+    `train_step`)."""
+
+    def test_train_step_is_hooked(self):
+        from keras.src.backend.torch import trainer as torch_trainer
+
+        from keras_fp8.backends import torch as torch_backend
+
+        self.assertIsNotNone(torch_backend._keras_train_step)
+        self.assertIsNot(torch_trainer.TorchTrainer.train_step, torch_backend._keras_train_step)
+
+    def test_nothing_ahead_off_the_kernels(self):
+        from keras_fp8.backends import torch as torch_backend
+
+        model = keras.Sequential([keras.Input((8,)), FP8Dense(4, min_gemm_size=0)])
+        if _fp8_gpu():
+            self.skipTest("the kernels serve this device")
+        self.assertEqual(torch_backend.prequantize_kernels(model), 0)
+
+    @pytest.mark.skipif(not _fp8_gpu(), reason="needs an FP8 GPU and torch_ops kernels")
+    def test_fit_equals_quantizing_in_the_call(self):
+        from unittest import mock
+
+        import torch_ops
+
+        from keras_fp8.backends import torch as torch_backend
+
+        fp8_linear_folded = torch_ops.linear.fp8_linear_folded
+
+        def train(prequantize):
+            taken = []
+
+            def counting(*args, prequantized_weight=None, **kwargs):
+                y = fp8_linear_folded(*args, prequantized_weight=prequantized_weight, **kwargs)
+                if prequantized_weight is not None:
+                    taken.append(prequantized_weight.used)
+                return y
+
+            keras.utils.set_random_seed(0)
+            policy = "fp8_hybrid[history_len=8]"
+            model = keras.Sequential([
+                keras.Input((64,)),
+                FP8Dense(128, activation="relu", min_gemm_size=0, dtype=policy),
+                FP8Dense(16, min_gemm_size=0, dtype=policy),
+            ])
+            model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            x = rng_normal((128, 64), 0)
+            y = np.random.default_rng(0).integers(0, 16, 128)
+            with mock.patch.object(torch_backend, "PREQUANTIZE", prequantize), \
+                    mock.patch.object(torch_ops.linear, "fp8_linear_folded", counting):
+                history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+                model.evaluate(x, y, batch_size=64, verbose=0)  # spends the last step's, unused
+            return history.history["loss"], [to_numpy(v) for v in model.variables], taken
+
+        loss, variables, taken = train(True)
+        want_loss, want_variables, none_taken = train(False)
+        # 8 steps x 2 layers: every training call after the first step took
+        # its kernel quantized ahead; the two evaluate calls did not.
+        self.assertEqual(none_taken, [])
+        self.assertEqual(taken, [True] * 14 + [False] * 2)
+        self.assertEqual(loss, want_loss)
+        self.assertEqual(len(variables), len(want_variables))
+        for a, b in zip(variables, want_variables):
+            np.testing.assert_array_equal(a, b)
+
+
 class _Dispatch:
     """Chooses where the FP8 layers' matmuls run, and counts the calls that
     went through Keras's generic `Layer.__call__`.

@@ -449,6 +449,110 @@ class _EmitToken(torch.autograd.Function):
         return grad, torch.stack([zero, token, zero]), None
 
 
+class PrequantizedWeight:
+    """A weight quantized ahead of its next training call (`prequantize_weight`).
+
+    Holds the quantize's outputs (``q``, ``q_t``, the scale it used, the
+    weight's amax) and the event its side stream recorded; ``used`` tells
+    whether the call it was passed to took it. Used once: the
+    call it is passed to records the amax into the kernel history as its
+    own quantize would have, provided the weight and the kernel scale and
+    history are the same tensors, unmodified since (version counters).
+    """
+
+    __slots__ = ("weight", "kernel_scale", "kernel_amax_history", "versions", "options", "tensors", "event", "used")
+
+    def __init__(self, weight, kernel_scale, kernel_amax_history, options, tensors, event):
+        self.weight = weight
+        self.kernel_scale = kernel_scale
+        self.kernel_amax_history = kernel_amax_history
+        self.versions = (weight._version, kernel_scale._version, kernel_amax_history._version)
+        self.options = options
+        self.tensors = tensors
+        self.event = event
+        self.used = False
+
+    def take(self, x, weight, kernel_scale, kernel_amax_history, options, training, min_gemm_size):
+        """The four tensors for the C++ entry when this call may use them, else
+        an empty list. Either way the current stream waits for the side stream
+        (which read the weight and the state), and this object is spent."""
+        torch.cuda.current_stream(weight.device).wait_event(self.event)
+        tensors, self.tensors = self.tensors, None
+        K = x.shape[-1] if x.dim() else 0
+        small = K == 0 or (x.numel() // K) * (weight.numel() // K) * K < _gemm_limit(min_gemm_size)
+        if (tensors is None or not training or small or weight is not self.weight
+                or kernel_scale is not self.kernel_scale or kernel_amax_history is not self.kernel_amax_history
+                or options != self.options
+                or (weight._version, kernel_scale._version, kernel_amax_history._version) != self.versions):
+            return []
+        return list(tensors)
+
+
+_side_streams = {}
+
+
+def prequantize_weight(weight, state, *, margin=0.0, amax_compute_algo="max"):
+    """Quantizes `weight` for its next training call, on a side stream.
+
+    Delayed scaling quantizes the weight with the kernel scale the state holds
+    now; a training step's optimizer update is the last change to the weight
+    before the next forward. Called right after it, the quantize runs on a
+    side stream while the host is still busy between steps (data, logs,
+    callbacks: time the GPU would otherwise sit idle), and the next
+    `fp8_linear_folded(..., prequantized_weight=...)` records the weight's
+    amax into the state instead of quantizing again. The state then advances
+    exactly as without it; a weight or state modified in between (PyTorch
+    in-place ops bump their version counters), another tensor, or a call that
+    does not record (inference, below `min_gemm_size`) leaves it unused.
+
+    Args:
+      weight: The 2-D weight as the next call will receive it (contiguous,
+        CUDA; either layout: both orientations are written).
+      state: FP8LinearState, or its six tensors in field order.
+      margin, amax_compute_algo: As the next call will use.
+
+    Returns:
+      A `PrequantizedWeight`, or None where the compiled kernels do not serve
+      this weight (CPU, no FP8 GPU, torch.compile tracing, a tensor subclass,
+      not contiguous).
+
+    Example:
+
+    ```python
+    optimizer.step()
+    pre = torch_ops.linear.prequantize_weight(weight, state)
+    ...
+    y = fp8_linear_folded(x, weight, state=state, ..., prequantized_weight=pre)
+    ```
+    """
+    kernel_scale, kernel_amax_history = tuple(state.tensors() if isinstance(state, FP8LinearState) else state)[2:4]
+    ext = _fast_ext(weight, weight)
+    args = None if ext is None else _fast_args("hybrid", "delayed", margin, amax_compute_algo, "out_in")
+    if args is None or weight.dim() != 2 or not weight.is_contiguous() or weight.numel() == 0:
+        return None
+    for t in (kernel_scale, kernel_amax_history):
+        if type(t) is not _T and type(t) is not _P:
+            return None
+    device = weight.device
+    main = torch.cuda.current_stream(device)
+    side = _side_streams.get(device)
+    if side is None:
+        side = _side_streams.setdefault(device, torch.cuda.Stream(device))
+    side.wait_stream(main)
+    with torch.cuda.stream(side), torch.no_grad():
+        tensors = ext.quantize_delayed(weight, kernel_amax_history, kernel_scale, 0, args[2], args[3], True, False,
+                                       True, True)
+        event = torch.cuda.Event()
+        event.record(side)
+    # The side stream's reads keep their memory alive; the outputs, made on
+    # the side stream, are used on the main one.
+    for t in (weight, kernel_scale, kernel_amax_history):
+        t.record_stream(side)
+    for t in tensors:
+        t.record_stream(main)
+    return PrequantizedWeight(weight, kernel_scale, kernel_amax_history, (args[2], args[3]), tensors, event)
+
+
 def _fp8_linear_folded_python(x, weight, bias, state, pending, fold_state, fp8_format, margin, amax_compute_algo,
                               window, weight_layout, training, min_gemm_size):
     if fp8_format not in _FORMATS:
@@ -494,6 +598,7 @@ def fp8_linear_folded(
     weight_layout: str = "out_in",
     training: bool = True,
     min_gemm_size: int | None = None,
+    prequantized_weight: PrequantizedWeight | None = None,
 ) -> torch.Tensor:
     """fp8_linear (delayed scaling) whose output gradient's amax leaves through
     a gradient channel instead of the grad state: the Keras layers' call.
@@ -521,6 +626,8 @@ def fp8_linear_folded(
       fold_state: (3,) float32 ``[folds, last_token, last_loss_scale]``,
         updated in place when training.
       window: as in ``fold_pending_grad_amax`` (default: the whole history).
+      prequantized_weight: optional ``prequantize_weight(weight, state, ...)``
+        result: used (once) where it still matches this call, see there.
     """
     if FAST_PATH and (window is None or window >= 1):
         ext = _fast_ext(x, weight)
@@ -530,10 +637,16 @@ def fp8_linear_folded(
                 s = state
                 state = (s.input_scale, s.input_amax_history, s.kernel_scale, s.kernel_amax_history, s.grad_scale,
                          s.grad_amax_history)
+            pre = [] if prequantized_weight is None else prequantized_weight.take(
+                x, weight, state[2], state[3], (args[2], args[3]), training, min_gemm_size)
             out = _call_entry(ext.linear_folded, x, weight, bias, pending, fold_state, state, args[0], args[2],
                               args[3], 0 if window is None else int(window), args[4], bool(training),
-                              _gemm_limit(min_gemm_size))
+                              _gemm_limit(min_gemm_size), pre)
             if out is not None:
+                if pre:
+                    prequantized_weight.used = True
                 return out
+    if prequantized_weight is not None and prequantized_weight.tensors is not None:
+        prequantized_weight.take(x, weight, None, None, None, False, min_gemm_size)  # orders it; unused
     return _fp8_linear_folded_python(x, weight, bias, state, pending, fold_state, fp8_format, margin,
                                      amax_compute_algo, window, weight_layout, training, min_gemm_size)

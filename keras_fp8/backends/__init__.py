@@ -51,7 +51,9 @@ def preload():
     imports: inside torch.compile that import would be a graph break.
     """
     if keras.backend.backend() in _SUPPORTED:
-        get()
+        install = getattr(get(), "install", None)
+        if install is not None:
+            install()
 
 
 def prepare_device(tensor):

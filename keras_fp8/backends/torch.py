@@ -6,7 +6,9 @@ emulation of `emulation.py` runs (with a one-time warning on a CUDA GPU that
 lacks FP8 or the compiled kernels). `torch_ops` is imported lazily, here only.
 """
 
+import os
 import warnings
+import weakref
 
 import torch
 
@@ -178,7 +180,8 @@ def _linear_folded(
     torch_ops, layer, x, kernel, bias, recipe, training, min_gemm_size, value
 ):
     """`fused_fp8_matmul` once the kernels are chosen (`x` of any rank)."""
-    return torch_ops.linear.fp8_linear_folded(
+    prequantized = _PREQUANTIZED.pop(layer, None)
+    y = torch_ops.linear.fp8_linear_folded(
         x,
         kernel,
         None if bias is None else value(bias),
@@ -199,7 +202,92 @@ def _linear_folded(
         weight_layout="in_out",
         training=bool(training),
         min_gemm_size=min_gemm_size,
+        prequantized_weight=prequantized,
     )
+    if prequantized is not None and training and not prequantized.used:
+        # Its kernel reaches the matmul as another tensor (or the GEMMs run
+        # in the compute dtype): quantizing it ahead only costs.
+        _NOT_PREQUANTIZED.add(layer)
+    return y
+
+
+# Quantizing the kernels ahead. After a training step's optimizer update the
+# host still has the step's end and the next step's start to run (logs,
+# callbacks, the next batch: several milliseconds in which the GPU waits).
+# The FP8 layers' kernel quantizes for the next forward run then, on a side
+# stream, and the forward records their amaxes instead (torch_ops.linear.
+# prequantize_weight: the same state, one kernel fewer on the step's path).
+# KERAS_FP8_PREQUANTIZE=0 turns it off.
+PREQUANTIZE = os.environ.get("KERAS_FP8_PREQUANTIZE", "1") not in ("0", "")
+_PREQUANTIZED = weakref.WeakKeyDictionary()  # layer -> PrequantizedWeight
+_NOT_PREQUANTIZED = weakref.WeakSet()
+
+
+def prequantize_kernels(model):
+    """Quantizes the kernels of `model`'s FP8 layers for their next training
+    call (delayed scaling, compiled kernels, eager mode), on a side stream.
+
+    Args:
+        model: A Keras model (or layer) whose FP8 layers to visit.
+
+    Returns:
+        How many kernels were quantized ahead.
+    """
+    if not PREQUANTIZE or torch.compiler.is_compiling() or in_stateless_scope():
+        return 0
+    from keras_fp8.layers.fp8_state import FP8StateMixin
+
+    count = 0
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if (
+            not isinstance(layer, FP8StateMixin)
+            or not layer.built
+            or layer in _NOT_PREQUANTIZED
+            or not hasattr(layer, "_kernel")
+        ):
+            continue
+        recipe = layer._fp8_recipe()
+        if not isinstance(recipe, recipes.DelayedScaling):
+            continue
+        kernel = layer._kernel._value
+        torch_ops = _kernels_for(kernel)
+        if torch_ops is None:
+            continue
+        pre = torch_ops.linear.prequantize_weight(
+            kernel,
+            (None, None, _read_value(layer.kernel_scale),
+             _read_value(layer.kernel_amax_history), None, None),
+            margin=float(recipe.margin),
+            amax_compute_algo=recipe.amax_compute_algo,
+        )
+        if pre is None:
+            _NOT_PREQUANTIZED.add(layer)
+            continue
+        _PREQUANTIZED[layer] = pre
+        count += 1
+    return count
+
+
+_keras_train_step = None
+
+
+def install():
+    """Makes the torch trainer's `train_step` quantize the FP8 kernels ahead
+    after its optimizer update (`prequantize_kernels`). Idempotent."""
+    global _keras_train_step
+    if _keras_train_step is not None:
+        return
+    from keras.src.backend.torch import trainer as torch_trainer
+
+    _keras_train_step = torch_trainer.TorchTrainer.train_step
+
+    def train_step(self, data):
+        logs = _keras_train_step(self, data)
+        prequantize_kernels(self)
+        return logs
+
+    train_step.__doc__ = _keras_train_step.__doc__
+    torch_trainer.TorchTrainer.train_step = train_step
 
 
 # `Dense(activation=None)` stores this identity function.

@@ -163,10 +163,14 @@ class FoldKernelTest(parameterized.TestCase):
 
 
 def folded_steps(device, fast, *, steps=3, training=True, pending_grad=True, bias=True, lead=None, mgs=0,
-                 no_grad=False, twice=False, fp8_format="hybrid", inf_step=None, as_tuple=False, mkn=(24, 40, 16)):
+                 no_grad=False, twice=False, fp8_format="hybrid", inf_step=None, as_tuple=False, mkn=(24, 40, 16),
+                 prequantized=None, bump=False):
     """Training steps of fp8_linear_folded as the Keras layers run them (the
     optimizer overwrites `pending` with its gradient); returns every output,
-    gradient and state tensor, in order."""
+    gradient and state tensor, in order. `prequantized`: a list; each step's
+    weight is quantized ahead (`prequantize_weight`) and whether the call
+    took it is appended. `bump`: the weight is scaled in place before the
+    call (after any quantize ahead)."""
     from torch_ops import linear as L
 
     saved = L.FAST_PATH
@@ -191,10 +195,16 @@ def folded_steps(device, fast, *, steps=3, training=True, pending_grad=True, bia
             w = kernel.clone().requires_grad_(not no_grad)
             b = None if b0 is None else b0.clone().requires_grad_(not no_grad)
             state = st.tensors() if as_tuple else st
+            pre = None if prequantized is None else L.prequantize_weight(w, state)
+            if bump:
+                with torch.no_grad():
+                    w.mul_(1.5)
             with torch.set_grad_enabled(not no_grad):
                 kw = dict(state=state, pending=pending, fold_state=fold_state, fp8_format=fp8_format,
                           weight_layout="in_out", training=training, min_gemm_size=mgs, window=8)
-                y = L.fp8_linear_folded(x, w, b, **kw)
+                y = L.fp8_linear_folded(x, w, b, prequantized_weight=pre, **kw)
+                if pre is not None:
+                    prequantized.append(pre.used)
                 if twice:
                     y = y + L.fp8_linear_folded(x * 2, w, b, **kw)
             out.append(y.detach())
@@ -329,3 +339,57 @@ class LinearFoldedKernelTest(parameterized.TestCase):
         for i, (u, v) in enumerate(zip(got, want)):
             self.assertEqual((u.dtype, u.shape), (v.dtype, v.shape), i)
             self.assertTrue(torch.equal(u, v), f"item {i}: {u.flatten()[:6]} vs {v.flatten()[:6]}")
+
+
+class PrequantizeOffTheKernelsTest(parameterized.TestCase):
+    def test_none_off_the_kernels(self):
+        from torch_ops import linear as L
+
+        st = torch_ops.FP8LinearState.create(8)
+        self.assertIsNone(L.prequantize_weight(torch.randn(16, 8), st))
+
+
+@needs_kernels
+class PrequantizedWeightTest(parameterized.TestCase):
+    """A weight quantized ahead on a side stream (prequantize_weight) and
+    taken by the next training call gives bit-equal outputs, gradients and
+    state; where the call may not take it, it is left unused."""
+
+    @parameterized.named_parameters(
+        ("fp8", dict(), True),
+        ("e4m3", dict(fp8_format="e4m3"), True),
+        # The first step's empty kernel history: the scale seeds from the
+        # weight's own amax, ahead as in the call.
+        ("lean", dict(mkn=(128, 192, 256)), True),
+        ("lean_inf_gradient_rank3", dict(mkn=(128, 192, 256), inf_step=1, lead=(2, 64)), True),
+        ("small", dict(mgs=1 << 40), False),
+        ("inference", dict(training=False), False),
+        ("weight_changed_after", dict(bump=True), False),
+    )
+    def test_equals_quantizing_in_the_call(self, kw, taken):
+        used = []
+        got = folded_steps("cuda", True, prequantized=used, **kw)
+        want = folded_steps("cuda", True, **kw)
+        self.assertEqual(used, [taken] * 3)
+        self.assertEqual(len(got), len(want))
+        for i, (u, v) in enumerate(zip(got, want)):
+            self.assertEqual((u.dtype, u.shape), (v.dtype, v.shape), i)
+            self.assertTrue(torch.equal(u, v), f"item {i}: {u.flatten()[:6]} vs {v.flatten()[:6]}")
+
+    def test_another_state_or_a_spent_one_is_not_taken(self):
+        from torch_ops import linear as L
+
+        g = torch.Generator().manual_seed(3)
+        w = (torch.randn(64, 128, generator=g) * 0.1).cuda()
+        x = torch.randn(256, 64, generator=g).bfloat16().cuda()
+        st, other = (torch_ops.FP8LinearState.create(8, device="cuda") for _ in range(2))
+        kw = dict(pending=torch.zeros(3, device="cuda"), fold_state=torch.zeros(3, device="cuda"),
+                  weight_layout="in_out", min_gemm_size=0)
+        pre = L.prequantize_weight(w, st)
+        L.fp8_linear_folded(x, w, state=other, prequantized_weight=pre, **kw)
+        self.assertFalse(pre.used)
+        L.fp8_linear_folded(x, w, state=st, prequantized_weight=pre, **kw)
+        self.assertFalse(pre.used)  # spent by the first call
+        pre = L.prequantize_weight(w, st)
+        L.fp8_linear_folded(x, w, state=st, prequantized_weight=pre, **kw)
+        self.assertTrue(pre.used)
