@@ -145,6 +145,19 @@ def run_keras(args):
     return timed_fit(model, x, y, args.batch, progress_from=start)
 
 
+def _set_prequantize(on):
+    """Turns keras_fp8's kernels quantized ahead on or off (torch backend);
+    returns the previous setting."""
+    import keras
+
+    if keras.backend.backend() != "torch":
+        return on
+    from keras_fp8.backends import torch as torch_backend
+
+    was, torch_backend.PREQUANTIZE = torch_backend.PREQUANTIZE, on
+    return was
+
+
 def run_keras_interleaved(args):
     """Both policies of `--interleave` in one process, their fit() calls
     alternating for `--rounds` rounds (after one warm-up fit each), so that
@@ -156,7 +169,7 @@ def run_keras_interleaved(args):
     policies = args.interleave.split(",")
     models = {}
     for policy in policies:
-        args.policy = policy
+        args.policy = policy.split(":")[0]
         models[policy] = keras_model(args)
     keras.mixed_precision.set_global_policy("float32")
     x, y = data(args)
@@ -165,7 +178,11 @@ def run_keras_interleaved(args):
 
     def fit(policy, batches):
         n = batches * args.batch
-        stamps, step_losses = timed_fit(models[policy], x[:n], y[:n], args.batch)
+        ahead = _set_prequantize(not policy.endswith(":noahead"))
+        try:
+            stamps, step_losses = timed_fit(models[policy], x[:n], y[:n], args.batch)
+        finally:
+            _set_prequantize(ahead)
         return list(np.diff(stamps) * 1e3), step_losses
 
     for policy in policies:
@@ -297,9 +314,10 @@ def main():
         for p, (ms, ls) in results.items():
             print("RESULT " + json.dumps({"stack": f"keras-{keras.backend.backend()} {p} (interleaved)",
                                           "ms_per_step": med[p], "steps_timed": len(ms), "losses": ls}))
-        a, b = list(med)
-        print(f"RATIO {b} vs {a}: {med[a] / med[b]:.3f}x steps/s ({med[a]:.2f} vs {med[b]:.2f} ms/step, "
-              f"medians over {len(results[a][0])} steps each)")
+        a, *others = list(med)
+        for b in others:
+            print(f"RATIO {b} vs {a}: {med[a] / med[b]:.3f}x steps/s ({med[a]:.2f} vs {med[b]:.2f} ms/step, "
+                  f"medians over {len(results[a][0])} steps each)")
         return
     stamps, losses = (run_keras if args.stack == "keras" else run_torch)(args)
     steps = np.diff(stamps[args.warmup - 1:]) * 1e3

@@ -30,6 +30,10 @@ at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c1
                          const at::Tensor& pending, const at::Tensor& fold_state, const std::vector<at::Tensor>& state,
                          int64_t grad_fmt, double mdiv, int64_t algo, int64_t window, bool in_out, bool training,
                          int64_t min_gemm_size, const std::vector<at::Tensor>& prequantized);
+std::vector<std::vector<at::Tensor>> prequantize(const std::vector<at::Tensor>& weights,
+                                                 const std::vector<at::Tensor>& scales,
+                                                 const std::vector<at::Tensor>& hists, double mdiv, int64_t algo,
+                                                 int64_t consumer);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state,
                                                               const at::Tensor& history, const at::Tensor& scale,
                                                               double inv_max, double mdiv, int algo,
@@ -173,6 +177,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x, weight, bias, pending, fold_state, state[6], grad_fmt, mdiv, algo, window, in_out, training, "
         "min_gemm_size, prequantized (none, or the weight's quantize_delayed(record=False, transpose, pad) outputs) "
         "-> out (None: a tensor is not plain)");
+  m.def("prequantize", &torch_ops::prequantize,
+        "weights, scales, hists, mdiv, algo, consumer stream -> [(q, qt, scale_used, amax)] (the current stream)");
   m.def("fold_grad_amax", &torch_ops::fold_grad_amax,
         "pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale -> (token, scale, history)");
 }

@@ -15,6 +15,8 @@
 // then takes the Python path.
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include <string>
@@ -442,6 +444,44 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
 }
 
 }  // namespace
+
+// Weights quantized ahead of their next training call, all in one call
+// (torch_ops.linear.prequantize_weights: at the end of a training step the
+// host, not the GPU, is the bottleneck, so the host time is the point).
+// For each: quantize_delayed(record=False, transpose=True, pad=True,
+// write_q=True) with its kernel scale and history, launched on the current
+// stream (the caller's side stream); the outputs are marked for the caching
+// allocator as used by `consumer` (a cudaStream_t), the stream that will
+// read them. Returns (q, qt, scale_used, amax) per weight.
+std::vector<std::vector<at::Tensor>> prequantize(const std::vector<at::Tensor>& weights,
+                                                 const std::vector<at::Tensor>& scales,
+                                                 const std::vector<at::Tensor>& hists, double mdiv, int64_t algo,
+                                                 int64_t consumer) {
+  TORCH_CHECK_VALUE(weights.size() == scales.size() && weights.size() == hists.size(),
+                    "weights, scales, hists: expected lists of one length, got ", std::to_string(weights.size()),
+                    ", ", std::to_string(scales.size()), " and ", std::to_string(hists.size()));
+  std::vector<std::vector<at::Tensor>> out;
+  out.reserve(weights.size());
+  at::NoGradGuard ng;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    const auto t = w.scalar_type();
+    TORCH_CHECK_VALUE(w.is_cuda() && w.dim() == 2 && w.is_contiguous() &&
+                          (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat),
+                      "weights[", std::to_string(i), "]: expected a contiguous 2-D bfloat16, float16 or float32 "
+                      "CUDA tensor");
+    check_f32_state(scales[i], "scales", w, 1, false);
+    check_f32_state(hists[i], "hists", w, -1, true);
+    const c10::cuda::CUDAStream reader =
+        c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(consumer), w.get_device());
+    Q q = quant(w, hists[i], scales[i], kE4M3, kDelayed, mdiv, (int)algo, true, false, true);
+    for (const at::Tensor* o : {&q.q, &q.qt, &q.scale_used, &q.amax}) {
+      c10::cuda::CUDACachingAllocator::recordStream(o->storage().data_ptr(), reader);
+    }
+    out.push_back({q.q, q.qt, q.scale_used, q.amax});
+  }
+  return out;
+}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
                   const std::vector<at::Tensor>& state, int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo,

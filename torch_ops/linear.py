@@ -497,13 +497,12 @@ def prequantize_weight(weight, state, *, margin=0.0, amax_compute_algo="max"):
     Delayed scaling quantizes the weight with the kernel scale the state holds
     now; a training step's optimizer update is the last change to the weight
     before the next forward. Called right after it, the quantize runs on a
-    side stream while the host is still busy between steps (data, logs,
-    callbacks: time the GPU would otherwise sit idle), and the next
-    `fp8_linear_folded(..., prequantized_weight=...)` records the weight's
-    amax into the state instead of quantizing again. The state then advances
-    exactly as without it; a weight or state modified in between (PyTorch
-    in-place ops bump their version counters), another tensor, or a call that
-    does not record (inference, below `min_gemm_size`) leaves it unused.
+    side stream, and the next `fp8_linear_folded(..., prequantized_weight=...)`
+    records the weight's amax into the state instead of quantizing again.
+    The state then advances exactly as without it; a weight or state modified
+    in between (PyTorch in-place ops bump their version counters), another
+    tensor, or a call that does not record (inference, below
+    `min_gemm_size`) leaves it unused.
 
     Args:
       weight: The 2-D weight as the next call will receive it (contiguous,
@@ -526,31 +525,52 @@ def prequantize_weight(weight, state, *, margin=0.0, amax_compute_algo="max"):
     ```
     """
     kernel_scale, kernel_amax_history = tuple(state.tensors() if isinstance(state, FP8LinearState) else state)[2:4]
-    ext = _fast_ext(weight, weight)
+    return prequantize_weights([(weight, kernel_scale, kernel_amax_history)], margin=margin,
+                               amax_compute_algo=amax_compute_algo)[0]
+
+
+def prequantize_weights(items, *, margin=0.0, amax_compute_algo="max"):
+    """`prequantize_weight` for many weights in one launch sequence.
+
+    One side-stream switch, one event and one C++ call for all of them: at
+    the end of a training step the host is the bottleneck, so what this
+    costs the host is what decides whether it pays.
+
+    Args:
+      items: `(weight, kernel_scale, kernel_amax_history)` triples.
+      margin, amax_compute_algo: As the next calls will use.
+
+    Returns:
+      A list with a `PrequantizedWeight` or None per item.
+    """
+    result = [None] * len(items)
+    if not items:
+        return result
+    ext = _fast_ext(items[0][0], items[0][0])
     args = None if ext is None else _fast_args("hybrid", "delayed", margin, amax_compute_algo, "out_in")
-    if args is None or weight.dim() != 2 or not weight.is_contiguous() or weight.numel() == 0:
-        return None
-    for t in (kernel_scale, kernel_amax_history):
-        if type(t) is not _T and type(t) is not _P:
-            return None
-    device = weight.device
+    if args is None:
+        return result
+    device = items[0][0].device
+    take = [i for i, (w, s, h) in enumerate(items)
+            if type(w) in (_T, _P) and type(s) in (_T, _P) and type(h) in (_T, _P) and w.device == device
+            and w.dim() == 2 and w.is_contiguous() and w.numel() > 0]
+    if not take:
+        return result
     main = torch.cuda.current_stream(device)
     side = _side_streams.get(device)
     if side is None:
         side = _side_streams.setdefault(device, torch.cuda.Stream(device))
     side.wait_stream(main)
-    with torch.cuda.stream(side), torch.no_grad():
-        tensors = ext.quantize_delayed(weight, kernel_amax_history, kernel_scale, 0, args[2], args[3], True, False,
-                                       True, True)
+    with torch.cuda.stream(side):
+        outs = ext.prequantize([items[i][0] for i in take], [items[i][1] for i in take],
+                               [items[i][2] for i in take], args[2], args[3], main.cuda_stream)
         event = torch.cuda.Event()
         event.record(side)
-    # The side stream's reads keep their memory alive; the outputs, made on
-    # the side stream, are used on the main one.
-    for t in (weight, kernel_scale, kernel_amax_history):
-        t.record_stream(side)
-    for t in tensors:
-        t.record_stream(main)
-    return PrequantizedWeight(weight, kernel_scale, kernel_amax_history, (args[2], args[3]), tensors, event)
+    options = (args[2], args[3])
+    for i, tensors in zip(take, outs):
+        w, s, h = items[i]
+        result[i] = PrequantizedWeight(w, s, h, options, tensors, event)
+    return result
 
 
 def _fp8_linear_folded_python(x, weight, bias, state, pending, fold_state, fp8_format, margin, amax_compute_algo,

@@ -223,9 +223,27 @@ _PREQUANTIZED = weakref.WeakKeyDictionary()  # layer -> PrequantizedWeight
 _NOT_PREQUANTIZED = weakref.WeakSet()
 
 
+def _fp8_layers(model):
+    """`model`'s FP8 layers with a kernel (found once per model)."""
+    layers = _FP8_LAYERS.get(model)
+    if layers is None:
+        from keras_fp8.layers.fp8_state import FP8StateMixin
+
+        layers = [
+            layer for layer in model._flatten_layers(include_self=True, recursive=True)
+            if isinstance(layer, FP8StateMixin) and hasattr(layer, "_kernel")
+        ]
+        _FP8_LAYERS[model] = layers
+    return layers
+
+
+_FP8_LAYERS = weakref.WeakKeyDictionary()  # model -> its FP8 layers
+
+
 def prequantize_kernels(model):
     """Quantizes the kernels of `model`'s FP8 layers for their next training
-    call (delayed scaling, compiled kernels, eager mode), on a side stream.
+    call (delayed scaling, compiled kernels, eager mode), on a side stream,
+    in one launch sequence per recipe.
 
     Args:
         model: A Keras model (or layer) whose FP8 layers to visit.
@@ -235,36 +253,34 @@ def prequantize_kernels(model):
     """
     if not PREQUANTIZE or torch.compiler.is_compiling() or in_stateless_scope():
         return 0
-    from keras_fp8.layers.fp8_state import FP8StateMixin
-
-    count = 0
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        if (
-            not isinstance(layer, FP8StateMixin)
-            or not layer.built
-            or layer in _NOT_PREQUANTIZED
-            or not hasattr(layer, "_kernel")
-        ):
+    groups = {}
+    for layer in _fp8_layers(model):
+        if not layer.built or layer in _NOT_PREQUANTIZED:
             continue
         recipe = layer._fp8_recipe()
         if not isinstance(recipe, recipes.DelayedScaling):
             continue
         kernel = layer._kernel._value
-        torch_ops = _kernels_for(kernel)
-        if torch_ops is None:
+        if _kernels_for(kernel) is None:
             continue
-        pre = torch_ops.linear.prequantize_weight(
-            kernel,
-            (None, None, _read_value(layer.kernel_scale),
-             _read_value(layer.kernel_amax_history), None, None),
-            margin=float(recipe.margin),
-            amax_compute_algo=recipe.amax_compute_algo,
+        key = (kernel.device, float(recipe.margin), recipe.amax_compute_algo)
+        groups.setdefault(key, []).append((
+            layer,
+            (kernel, _read_value(layer.kernel_scale),
+             _read_value(layer.kernel_amax_history)),
+        ))
+    count = 0
+    for (_, margin, algo), entries in groups.items():
+        torch_ops = _kernels_for(entries[0][1][0])
+        prequantized = torch_ops.linear.prequantize_weights(
+            [item for _, item in entries], margin=margin, amax_compute_algo=algo
         )
-        if pre is None:
-            _NOT_PREQUANTIZED.add(layer)
-            continue
-        _PREQUANTIZED[layer] = pre
-        count += 1
+        for (layer, _), pre in zip(entries, prequantized):
+            if pre is None:
+                _NOT_PREQUANTIZED.add(layer)
+            else:
+                _PREQUANTIZED[layer] = pre
+                count += 1
     return count
 
 
