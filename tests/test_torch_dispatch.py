@@ -218,6 +218,31 @@ class PrequantizeTest(parameterized.TestCase):
             self.skipTest("the kernels serve this device")
         self.assertEqual(torch_backend.prequantize_kernels(model), 0)
 
+    def test_layers_converted_later_are_found(self):
+        from keras_fp8.backends import torch as torch_backend
+
+        model = keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16, name="a"), keras.layers.Dense(4, name="b")
+        ])
+        self.assertEqual(torch_backend._fp8_layers(model), [])
+        keras_fp8.convert(model, exclude=["b"])
+        self.assertEqual([layer.name for layer in torch_backend._fp8_layers(model)], ["a"])
+        # A layer is an FP8 layer of its own.
+        self.assertEqual(torch_backend._fp8_layers(model.layers[0]), [model.layers[0]])
+
+    def test_layer_list_does_not_keep_the_model_alive(self):
+        import gc
+        import weakref
+
+        from keras_fp8.backends import torch as torch_backend
+
+        model = keras.Sequential([keras.Input((8,)), FP8Dense(4)])
+        self.assertLen(torch_backend._fp8_layers(model), 1)
+        ref = weakref.ref(model)
+        del model
+        gc.collect()
+        self.assertIsNone(ref())
+
     @pytest.mark.skipif(not _fp8_gpu(), reason="needs an FP8 GPU and torch_ops kernels")
     def test_fit_equals_quantizing_in_the_call(self):
         from unittest import mock

@@ -224,20 +224,27 @@ _NOT_PREQUANTIZED = weakref.WeakSet()
 
 
 def _fp8_layers(model):
-    """`model`'s FP8 layers with a kernel (found once per model)."""
-    layers = _FP8_LAYERS.get(model)
-    if layers is None:
-        from keras_fp8.layers.fp8_state import FP8StateMixin
+    """`model`'s FP8 layers with a kernel (`model` itself included). The
+    model's layers are listed once per model (weakly: the list must not keep
+    the model alive); which of them are FP8 layers is checked on every call,
+    so that layers converted in place later (`keras_fp8.convert`) count."""
+    from keras_fp8.layers.fp8_state import FP8StateMixin
 
-        layers = [
-            layer for layer in model._flatten_layers(include_self=True, recursive=True)
-            if isinstance(layer, FP8StateMixin) and hasattr(layer, "_kernel")
+    refs = _MODEL_LAYERS.get(model)
+    if refs is None:
+        refs = [
+            weakref.ref(layer)
+            for layer in model._flatten_layers(include_self=False, recursive=True)
         ]
-        _FP8_LAYERS[model] = layers
-    return layers
+        _MODEL_LAYERS[model] = refs
+    layers = [model] + [ref() for ref in refs]
+    return [
+        layer for layer in layers
+        if isinstance(layer, FP8StateMixin) and hasattr(layer, "_kernel")
+    ]
 
 
-_FP8_LAYERS = weakref.WeakKeyDictionary()  # model -> its FP8 layers
+_MODEL_LAYERS = weakref.WeakKeyDictionary()  # model -> its layers, flattened
 
 
 def prequantize_kernels(model):
