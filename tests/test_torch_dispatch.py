@@ -210,6 +210,12 @@ class PrequantizeTest(parameterized.TestCase):
         self.assertIsNotNone(torch_backend._keras_train_step)
         self.assertIsNot(torch_trainer.TorchTrainer.train_step, torch_backend._keras_train_step)
 
+    def test_model_that_is_not_a_layer_is_named(self):
+        from keras_fp8.backends import torch as torch_backend
+
+        with self.assertRaisesRegex(TypeError, "model: expected a Keras model or layer, got list"):
+            torch_backend.prequantize_kernels([])
+
     def test_nothing_ahead_off_the_kernels(self):
         from keras_fp8.backends import torch as torch_backend
 

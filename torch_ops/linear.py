@@ -515,6 +515,10 @@ def prequantize_weight(weight, state, *, margin=0.0, amax_compute_algo="max"):
       this weight (CPU, no FP8 GPU, torch.compile tracing, a tensor subclass,
       not contiguous).
 
+    Raises:
+      TypeError, ValueError: naming the argument (`state`, the weight or a
+        state tensor, `amax_compute_algo`) that is not what is expected.
+
     Example:
 
     ```python
@@ -524,9 +528,32 @@ def prequantize_weight(weight, state, *, margin=0.0, amax_compute_algo="max"):
     y = fp8_linear_folded(x, weight, state=state, ..., prequantized_weight=pre)
     ```
     """
-    kernel_scale, kernel_amax_history = tuple(state.tensors() if isinstance(state, FP8LinearState) else state)[2:4]
+    tensors = tuple(state.tensors()) if isinstance(state, FP8LinearState) else state
+    if not isinstance(tensors, (tuple, list)) or len(tensors) != 6:
+        raise TypeError(f"state: expected an FP8LinearState or its six tensors, got {type(state).__name__}")
+    kernel_scale, kernel_amax_history = tensors[2:4]
     return prequantize_weights([(weight, kernel_scale, kernel_amax_history)], margin=margin,
                                amax_compute_algo=amax_compute_algo)[0]
+
+
+def _check_prequantize_item(i, item):
+    """Raises naming `items[i]` where it is not a (weight, kernel_scale,
+    kernel_amax_history) triple of the dtypes, ranks and device expected."""
+    if not isinstance(item, (tuple, list)) or len(item) != 3:
+        raise ValueError(f"items[{i}]: expected a (weight, kernel_scale, kernel_amax_history) triple, "
+                         f"got {type(item).__name__}")
+    w, scale, hist = item
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError(f"items[{i}] weight: expected a 2-D tensor, got {getattr(w, 'shape', type(w))}")
+    if w.dtype not in _FLOATS:
+        raise TypeError(f"items[{i}] weight: expected bfloat16, float16 or float32, got {w.dtype}")
+    for name, t, ok in (("kernel_scale", scale, lambda t: t.numel() == 1),
+                        ("kernel_amax_history", hist, lambda t: t.dim() == 1)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != w.device or not ok(t):
+            what = "one element" if name == "kernel_scale" else "a 1-D history"
+            raise ValueError(f"items[{i}] {name}: expected a float32 tensor of {what} on {w.device}, got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))} on "
+                             f"{getattr(t, 'device', '?')}")
 
 
 def prequantize_weights(items, *, margin=0.0, amax_compute_algo="max"):
@@ -542,7 +569,14 @@ def prequantize_weights(items, *, margin=0.0, amax_compute_algo="max"):
 
     Returns:
       A list with a `PrequantizedWeight` or None per item.
+
+    Raises:
+      TypeError, ValueError: naming `items[i]` (and which of its tensors) or
+        `amax_compute_algo` where it is not what is expected.
     """
+    check_options("hybrid", "delayed", amax_compute_algo)
+    for i, item in enumerate(items):
+        _check_prequantize_item(i, item)
     result = [None] * len(items)
     if not items:
         return result
@@ -649,6 +683,9 @@ def fp8_linear_folded(
       prequantized_weight: optional ``prequantize_weight(weight, state, ...)``
         result: used (once) where it still matches this call, see there.
     """
+    if prequantized_weight is not None and not isinstance(prequantized_weight, PrequantizedWeight):
+        raise TypeError("prequantized_weight: expected None or prequantize_weight's PrequantizedWeight, got "
+                        f"{type(prequantized_weight).__name__}")
     if FAST_PATH and (window is None or window >= 1):
         ext = _fast_ext(x, weight)
         args = None if ext is None else _fast_args(fp8_format, "delayed", margin, amax_compute_algo, weight_layout)

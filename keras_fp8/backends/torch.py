@@ -10,8 +10,8 @@ import os
 import warnings
 import weakref
 
+import keras
 import torch
-
 from keras import activations
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import in_stateless_scope
@@ -257,7 +257,12 @@ def prequantize_kernels(model):
 
     Returns:
         How many kernels were quantized ahead.
+
+    Raises:
+        TypeError: `model` is not a Keras layer or model.
     """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"model: expected a Keras model or layer, got {type(model).__name__}")
     if not PREQUANTIZE or torch.compiler.is_compiling() or in_stateless_scope():
         return 0
     groups = {}

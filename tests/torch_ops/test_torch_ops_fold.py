@@ -348,6 +348,36 @@ class PrequantizeOffTheKernelsTest(parameterized.TestCase):
         st = torch_ops.FP8LinearState.create(8)
         self.assertIsNone(L.prequantize_weight(torch.randn(16, 8), st))
 
+    @parameterized.named_parameters(
+        ("not_a_triple", lambda w, s, h: [(w, s)], ValueError, r"items\[0\]: expected a \(weight"),
+        ("weight_rank", lambda w, s, h: [(w[0], s, h)], ValueError, r"items\[0\] weight: expected a 2-D"),
+        ("weight_dtype", lambda w, s, h: [(w.int(), s, h)], TypeError, r"items\[0\] weight: expected bfloat16"),
+        ("scale_dtype", lambda w, s, h: [(w, s.double(), h)], ValueError, r"items\[0\] kernel_scale: expected"),
+        ("history_rank", lambda w, s, h: [(w, s, h[None])], ValueError,
+         r"items\[0\] kernel_amax_history: expected a float32 tensor of a 1-D history"),
+        ("second_item", lambda w, s, h: [(w, s, h), (w, h, h)], ValueError, r"items\[1\] kernel_scale"),
+    )
+    def test_bad_items_are_named(self, make, error, pattern):
+        from torch_ops import linear as L
+
+        st = torch_ops.FP8LinearState.create(8)
+        w = torch.randn(16, 8)
+        with self.assertRaisesRegex(error, pattern):
+            L.prequantize_weights(make(w, st.kernel_scale, st.kernel_amax_history))
+
+    def test_bad_state_and_options_are_named(self):
+        from torch_ops import linear as L
+
+        st = torch_ops.FP8LinearState.create(8)
+        w = torch.randn(16, 8)
+        with self.assertRaisesRegex(TypeError, "state: expected an FP8LinearState or its six tensors"):
+            L.prequantize_weight(w, st.tensors()[:2])
+        with self.assertRaisesRegex(ValueError, "amax_compute_algo: expected"):
+            L.prequantize_weight(w, st, amax_compute_algo="mean")
+        with self.assertRaisesRegex(TypeError, "prequantized_weight: expected None or prequantize_weight's"):
+            L.fp8_linear_folded(torch.randn(4, 16), w, state=st, pending=torch.zeros(3),
+                                fold_state=torch.zeros(3), weight_layout="in_out", prequantized_weight=w)
+
 
 @needs_kernels
 class PrequantizedWeightTest(parameterized.TestCase):
