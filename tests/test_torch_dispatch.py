@@ -67,6 +67,20 @@ def _clone_pair(make):
     return a, b
 
 
+def _seeded_classifier(features, hidden, classes, **compile_kwargs):
+    """Two FP8Dense layers (ReLU between, FP8 GEMMs at any size, 8-entry
+    histories) from seed 0, compiled with Adam and a sparse cross-entropy."""
+    keras.utils.set_random_seed(0)
+    policy = "fp8_hybrid[history_len=8]"
+    model = keras.Sequential([
+        keras.Input((features,)),
+        FP8Dense(hidden, activation="relu", min_gemm_size=0, dtype=policy),
+        FP8Dense(classes, min_gemm_size=0, dtype=policy),
+    ])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), **compile_kwargs)
+    return model
+
+
 def _rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
@@ -268,14 +282,7 @@ class PrequantizeTest(parameterized.TestCase):
                     taken.append(prequantized_weight.used)
                 return y
 
-            keras.utils.set_random_seed(0)
-            policy = "fp8_hybrid[history_len=8]"
-            model = keras.Sequential([
-                keras.Input((64,)),
-                FP8Dense(128, activation="relu", min_gemm_size=0, dtype=policy),
-                FP8Dense(16, min_gemm_size=0, dtype=policy),
-            ])
-            model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model = _seeded_classifier(64, 128, 16)
             x = rng_normal((128, 64), 0)
             y = np.random.default_rng(0).integers(0, 16, 128)
             with mock.patch.object(torch_backend, "PREQUANTIZE", prequantize), \
@@ -525,15 +532,7 @@ class TorchCompileTest(parameterized.TestCase):
 
     def test_fit_with_jit_compile_equals_eager(self):
         def train(jit_compile):
-            keras.utils.set_random_seed(0)
-            policy = "fp8_hybrid[history_len=8]"
-            model = keras.Sequential([
-                keras.Input((32,)),
-                FP8Dense(64, activation="relu", min_gemm_size=0, dtype=policy),
-                FP8Dense(10, min_gemm_size=0, dtype=policy),
-            ])
-            model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          jit_compile=jit_compile)
+            model = _seeded_classifier(32, 64, 10, jit_compile=jit_compile)
             x = rng_normal((64, 32), 0)
             y = np.random.default_rng(0).integers(0, 10, 64)
             with _Dispatch():
