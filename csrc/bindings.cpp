@@ -19,6 +19,7 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
 int set_tile_version(int version);
 std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int rows, int pdl);
 int set_delayed_prepass(int mode);
+int set_small_record_stream(int mode);
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt, int algo,
                         double mdiv, bool skip_zero, const at::Tensor* scale_used);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
@@ -150,6 +151,14 @@ int set_delayed_prepass(int64_t mode) {
   return torch_ops::set_delayed_prepass((int)mode);
 }
 
+int set_small_record_stream(int64_t mode) {
+  TORCH_CHECK_VALUE(mode >= -1 && mode <= 2,
+                    "mode: expected -1 (as TORCH_OPS_SMALL_RECORD_STREAM says), 0 (the backward's stream), 1 (a side "
+                    "stream beside the backward's GEMMs) or 2 (1 while a CUDA graph is captured, 0 otherwise), got ",
+                    std::to_string(mode));
+  return torch_ops::set_small_record_stream((int)mode);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -169,6 +178,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_delayed_prepass", &set_delayed_prepass,
         "mode (-1 TORCH_OPS_DELAYED_PREPASS, 0 the lean kernels check the history themselves, 1 a pre-pass): "
         "delayed scaling's seed check in this process -> previous override");
+  m.def("set_small_record_stream", &set_small_record_stream,
+        "mode (-1 TORCH_OPS_SMALL_RECORD_STREAM, 0 the backward's stream, 1 a side stream beside the backward's "
+        "GEMMs, 2 (default) 1 while a CUDA graph is captured and 0 otherwise): where the small path's state launch "
+        "runs in this process -> previous override");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
   m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "

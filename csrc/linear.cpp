@@ -16,9 +16,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <string>
 #include <typeinfo>
 
@@ -307,6 +310,82 @@ at::Tensor small_linear(const at::Tensor& x2d, const at::Tensor& weight, const c
   return b ? at::addmm(*b, x2d, w) : at::mm(x2d, w);
 }
 
+// Where the small path's state launch runs while autograd records
+// (set_small_record_stream; TORCH_OPS_SMALL_RECORD_STREAM, read once,
+// otherwise):
+//   0: on the backward's stream, after the backward's GEMMs (in the step's
+//      tail);
+//   1: on a side stream beside the backward's GEMMs: the node's pre-hook
+//      marks the point where the gradient is ready (an event), the post-hook
+//      launches the state kernel on the side stream after that point and
+//      makes the backward's stream wait for it (a join, so that everything
+//      after the node, and a CUDA graph's capture, sees the updated state).
+//      Its GPU time hides behind the GEMMs (partly: they leave few SMs
+//      free), at the price of two event records and two waits of host time;
+//   2 (default): 1 where the forward is captured into a CUDA graph (the
+//      host time is spent once, at capture), 0 otherwise.
+constexpr int kRecordTail = 0, kRecordSide = 1, kRecordAuto = 2;
+std::atomic<int> g_small_record_stream{-1};
+int small_record_stream() {
+  const int o = g_small_record_stream.load(std::memory_order_relaxed);
+  if (o >= 0) return o;
+  static const int v = [] {
+    const char* e = std::getenv("TORCH_OPS_SMALL_RECORD_STREAM");
+    const std::string s(e ? e : "");
+    return s == "0" ? kRecordTail : (s == "1" ? kRecordSide : kRecordAuto);
+  }();
+  return v;
+}
+
+// This thread's side stream and its two events on `device` (created on first
+// use). The autograd engine runs a device's backward on one thread, and a
+// node's pre-hook and post-hook run on it back to back: one pair of events
+// per thread and device is enough.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+SideStream& side_stream(int device) {
+  constexpr int kMaxDevices = 64;
+  thread_local SideStream side[kMaxDevices];
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "fp8_linear: device index ", std::to_string(device),
+              " out of range");
+  SideStream& s = side[device];
+  if (!s.stream) {
+    const c10::cuda::CUDAGuard device_guard((c10::DeviceIndex)device);
+    s.stream = c10::cuda::getStreamFromPool(false, (c10::DeviceIndex)device).stream();
+    TORCH_OPS_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
+    TORCH_OPS_CUDA_CHECK(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
+  }
+  return s;
+}
+
+// The state launch of `recs` on the side stream after the point `s.fork`
+// marks on `main`, then `main` waits for it. The tensors read on the side
+// stream are freed after this point (the caller holds them), so whatever
+// reuses their memory on `main` comes after the launch.
+void record_on_side(SideStream& s, cudaStream_t main, int device, const AmaxRecord* recs, int n, int algo,
+                    double mdiv) {
+  TORCH_OPS_CUDA_CHECK(cudaStreamWaitEvent(s.stream, s.fork, 0));
+  {
+    const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(s.stream, (c10::DeviceIndex)device));
+    amax_record_launch(recs, n, algo, mdiv);
+  }
+  TORCH_OPS_CUDA_CHECK(cudaEventRecord(s.join, s.stream));
+  TORCH_OPS_CUDA_CHECK(cudaStreamWaitEvent(main, s.join, 0));
+}
+
+// The side stream's pre-hook: the gradient is ready on the backward's stream here.
+struct MarkBeforeBackward : torch::autograd::FunctionPreHook {
+  explicit MarkBeforeBackward(int device) : device(device) {}
+  variable_list operator()(const variable_list& grads) override {
+    SideStream& s = side_stream(device);
+    TORCH_OPS_CUDA_CHECK(cudaEventRecord(s.fork, c10::cuda::getCurrentCUDAStream(device).stream()));
+    return grads;
+  }
+  int device;
+};
+
 // The small path's state update while autograd records: one launch, when
 // the backward has run the GEMM's node, records the amaxes of x, the weight
 // and the output gradient (each history and scale as quantize_delayed with
@@ -317,16 +396,27 @@ at::Tensor small_linear(const at::Tensor& x2d, const at::Tensor& weight, const c
 // first: measured 1.6-2.4 us per step less than a pre-hook (session 7).
 struct RecordAfterBackward : torch::autograd::FunctionPostHook {
   RecordAfterBackward(const at::Tensor& x, const at::Tensor& w, const std::vector<at::Tensor>& state, int grad_fmt,
-                      int algo, double mdiv, uint32_t output_nr)
+                      int algo, double mdiv, uint32_t output_nr, bool on_side)
       : x(x), w(w), xs(state[0]), xh(state[1]), ws(state[2]), wh(state[3]), gs(state[4]), gh(state[5]),
-        grad_fmt(grad_fmt), algo(algo), mdiv(mdiv), output_nr(output_nr) {}
+        grad_fmt(grad_fmt), algo(algo), mdiv(mdiv), output_nr(output_nr), on_side(on_side) {}
 
   // grad_outputs: the gradients flowing into the node (the output's is ours).
   variable_list operator()(const variable_list& grad_inputs, const variable_list& grad_outputs) override {
     const at::Tensor& grad = grad_outputs[output_nr];
     const at::Tensor g = grad.defined() ? grad.contiguous() : at::Tensor();
     const AmaxRecord recs[3] = {{&x, &xh, &xs, kE4M3}, {&w, &wh, &ws, kE4M3}, {&g, &gh, &gs, grad_fmt}};
-    amax_record_launch(recs, g.defined() ? 3 : 2, algo, mdiv);
+    const int n = g.defined() ? 3 : 2;
+    if (!on_side) {
+      amax_record_launch(recs, n, algo, mdiv);
+      return grad_inputs;
+    }
+    const int device = (int)x.get_device();
+    SideStream& s = side_stream(device);
+    const cudaStream_t main = c10::cuda::getCurrentCUDAStream(device).stream();
+    // contiguous() copied a strided gradient on the backward's stream: the
+    // side stream starts after that copy (and the GEMMs launched before it).
+    if (g.defined() && !g.is_same(grad)) TORCH_OPS_CUDA_CHECK(cudaEventRecord(s.fork, main));
+    record_on_side(s, main, device, recs, n, algo, mdiv);
     return grad_inputs;
   }
 
@@ -334,14 +424,31 @@ struct RecordAfterBackward : torch::autograd::FunctionPostHook {
   int grad_fmt, algo;
   double mdiv;
   uint32_t output_nr;
+  bool on_side;
 };
 
-void record_in_backward(const at::Tensor& out, const at::Tensor& x2d, const at::Tensor& wd,
-                        const std::vector<at::Tensor>& state, int grad_fmt, int algo, double mdiv) {
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TORCH_OPS_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// The small path's GEMM while autograd records, with the state launch in its
+// backward where small_record_stream puts it.
+at::Tensor small_linear_recorded(const at::Tensor& x2d, const at::Tensor& weight, const at::Tensor& wd,
+                                 const c10::optional<at::Tensor>& bias, bool in_out,
+                                 const std::vector<at::Tensor>& state, int grad_fmt, int algo, double mdiv) {
+  at::Tensor out = small_linear(x2d, weight, bias, in_out);
+  const int mode = small_record_stream();
+  const int device = (int)x2d.get_device();
+  const bool on_side = mode == kRecordSide ||
+                       (mode == kRecordAuto && capturing(c10::cuda::getCurrentCUDAStream(device).stream()));
   const auto& node = out.grad_fn();  // at::linear's / mm's node: out requires grad here
   TORCH_CHECK(node, "fp8_linear: the small path's output has no autograd node");
+  if (on_side) node->add_pre_hook(std::make_unique<MarkBeforeBackward>(device));
   node->add_post_hook(
-      std::make_unique<RecordAfterBackward>(x2d, wd, state, grad_fmt, algo, mdiv, out.output_nr()));
+      std::make_unique<RecordAfterBackward>(x2d, wd, state, grad_fmt, algo, mdiv, out.output_nr(), on_side));
+  return out;
 }
 
 // The call after check_args. `sink`: none, a 0-d sink (linear) or the (3,)
@@ -417,8 +524,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   }
   at::Tensor out;
   if (native_small) {
-    out = small_linear(x2d, weight, bias, in_out);
-    if (record) record_in_backward(out, x2d, wd, state, (int)grad_fmt, (int)algo, mdiv);
+    out = record ? small_linear_recorded(x2d, weight, wd, bias, in_out, state, (int)grad_fmt, (int)algo, mdiv)
+                 : small_linear(x2d, weight, bias, in_out);
   } else if (needs_graph) {
     out = LinearFn::apply(x2d, weight, bias, sink, e);
   } else {
@@ -432,7 +539,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   if (record_after_gemm) {
     // x's and the weight's record after the GEMM's launch (which it does not
     // delay); the gradient's is in LinearFn's backward. With PyTorch's
-    // autograd (native_small) record_in_backward places them. Without recording
+    // autograd (native_small) small_linear_recorded places them. Without recording
     // nothing is updated.
     const AmaxRecord recs[2] = {{&x2d, &state[1], &state[0], kE4M3}, {&wd, &state[3], &state[2], kE4M3}};
     amax_record_launch(recs, 2, (int)algo, mdiv, fold);
@@ -444,6 +551,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
 }
 
 }  // namespace
+
+int set_small_record_stream(int mode) { return g_small_record_stream.exchange(mode); }
 
 // Weights quantized ahead of their next training call, all in one call
 // (torch_ops.linear.prequantize_weights: at the end of a training step the

@@ -1148,10 +1148,12 @@ int blocks_per_sm(K kernel) {
 // zeroed once when created; every kernel that uses a slot pair leaves it zero
 // again (its last block resets it), so no memset per call. Kernels on one
 // stream run in order, so they can share it; another stream gets its own.
-// Under CUDA-graph capture each capture gets its own workspace, zeroed by a
-// memset captured into that graph at its first use (so once per replay, not
-// per call): a workspace first zeroed inside a graph that is never replayed
-// must not be used by anything else.
+// Under CUDA-graph capture each capture gets its own workspace: one of the
+// device's reserve slots, zeroed before any capture (the kernels leave their
+// counters at zero when they finish), or, past those, one zeroed by a memset
+// captured into that graph at its first use (so once per replay, not per
+// call): a workspace first zeroed inside a graph that is never replayed must
+// not be used by anything else.
 // Slots: [0,1] pre-pass, [2,3] main kernel, [2..7] the jobs of the state
 // kernel, [8..10] float scratch (scale_used of state-only updates), [12,13]
 // the seed of the lean kernels' fallback launch (Finalize::split).
@@ -1162,6 +1164,15 @@ struct Ws {
 };
 std::mutex g_ws_mu;
 std::map<std::pair<int, cudaStream_t>, Ws> g_ws;
+// Per device: workspaces zeroed outside any capture for the first
+// kReserveSlots (capture, stream) pairs (a slot is never handed out twice;
+// later captures zero their own inside the graph).
+constexpr int kReserveSlots = 64;
+struct WsReserve {
+  at::Tensor t;
+  int next = 0;
+};
+std::map<int, WsReserve> g_ws_reserve;
 std::atomic<unsigned long long> g_ws_generation{0};  // +1 whenever an entry gets a new tensor
 
 unsigned* workspace_lookup(const at::Tensor& like, cudaStream_t stream) {
@@ -1169,13 +1180,33 @@ unsigned* workspace_lookup(const at::Tensor& like, cudaStream_t stream) {
   unsigned long long id = 0;
   TORCH_OPS_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id));
   if (status != cudaStreamCaptureStatusActive) id = 0;
+  const int device = (int)like.get_device();
   std::lock_guard<std::mutex> lk(g_ws_mu);
-  Ws& w = g_ws[std::make_pair((int)like.get_device(), stream)];
+  Ws& w = g_ws[std::make_pair(device, stream)];
   if (!w.t.defined() || w.capture_id != id) {
-    // at::zeros runs on the current stream (= stream): ordered before the
-    // first kernel that uses it (inside a capture: a node of that graph, the
-    // memory from the graph's pool).
-    w.t = at::zeros({kWsWords}, like.options().dtype(at::kInt));
+    WsReserve& r = g_ws_reserve[device];
+    if (id != 0 && r.t.defined() && r.next < kReserveSlots) {
+      // A capture: a slot zeroed ahead (no memset node in the graph).
+      w.t = r.t.narrow(0, (int64_t)r.next++ * kWsWords, kWsWords);
+    } else {
+      // at::zeros runs on the current stream (= stream): ordered before the
+      // first kernel that uses it (inside a capture: a node of that graph,
+      // the memory from the graph's pool).
+      w.t = at::zeros({kWsWords}, like.options().dtype(at::kInt));
+    }
+    if (id == 0 && !r.t.defined()) {
+      // The device's first workspace outside a capture: zero the slots for
+      // later captures too, and wait for it once, so that a graph replayed
+      // on any stream finds them zeroed.
+      // (Relaxed: another thread's capture in global mode does not forbid
+      // this thread's one synchronization of a stream it is not capturing.)
+      r.t = at::zeros({(int64_t)kReserveSlots * kWsWords}, like.options().dtype(at::kInt));
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      TORCH_OPS_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+      const cudaError_t synced = cudaStreamSynchronize(stream);
+      TORCH_OPS_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+      TORCH_OPS_CUDA_CHECK(synced);
+    }
     w.capture_id = id;
     g_ws_generation.fetch_add(1, std::memory_order_acq_rel);
   }

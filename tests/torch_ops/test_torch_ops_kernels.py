@@ -332,6 +332,38 @@ class QuantizeKernelTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "mode: expected -1"):
             ext.set_delayed_prepass(2)
 
+    def test_many_captures_past_the_reserved_workspaces(self):
+        """Seventy CUDA graphs, more than the 64 workspaces the kernels zero
+        ahead for captures (the later ones zero theirs inside the graph),
+        each a delayed quantize with a state kernel of its own, replayed in
+        turn three times on fresh data: each graph's outputs and state equal
+        the emulation's every time (a workspace shared by two graphs, or
+        left dirty by a replay, would not)."""
+        n = 70
+        xbufs = [rand((192, 320), torch.bfloat16, special=False, seed=100 + i) for i in range(n)]
+        states = [(torch.zeros(8, device=DEV), torch.ones((), device=DEV)) for _ in range(n)]
+        refs = [(h.clone(), s.clone()) for h, s in states]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warm = (torch.zeros(8, device=DEV), torch.ones((), device=DEV))
+            torch_ops.quantize_delayed(xbufs[0], *warm, E4M3, transpose=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs, outs = [], []
+        for xb, (h, s) in zip(xbufs, states):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                outs.append(torch_ops.quantize_delayed(xb, h, s, E4M3, transpose=True))
+            graphs.append(g)
+        for step in range(3):
+            for i in range(n):
+                x = rand((192, 320), torch.bfloat16, scale=1.0 + step + i / n, special=False, seed=1000 * step + i)
+                xbufs[i].copy_(x)
+                graphs[i].replay()
+                ref = emu.quantize_delayed(x, *refs[i], E4M3, transpose=True)
+                torch.cuda.synchronize()
+                assert_same_delayed(outs[i], ref, states[i], refs[i])
+
     def _delayed_lean_three_calls(self, in_dtype, dt, graph):
         xs = [rand((2048, 4096), in_dtype, scale=10.0 * (k + 1), special=False, seed=40 + k) for k in range(3)]
         h, s = torch.zeros(16, device=DEV), torch.ones((), device=DEV)

@@ -7,6 +7,8 @@ accumulation order and the bf16 rounding of the output; the state (histories
 and scales) must be bit-identical.
 """
 
+import contextlib
+
 import pytest
 import torch
 from absl.testing import parameterized
@@ -21,6 +23,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = 1e-2
+
+
+@contextlib.contextmanager
+def small_record_stream(mode):
+    """The small path's backward state launch on the backward's stream (0)
+    or a side stream (1, 2) inside the block (set_small_record_stream)."""
+    ext = torch_ops.linear._ext()
+    was = ext.set_small_record_stream(mode)
+    try:
+        yield
+    finally:
+        ext.set_small_record_stream(was)
 SHAPES = [(1, 1, 16), (17, 9, 33), (4095, 4097, 129), (2048, 1024, 512), (16384, 4096, 4096)]
 
 
@@ -293,11 +307,15 @@ class LinearFastPathTest(parameterized.TestCase):
         self.assertEqual(st.input_amax_history[1].item(), x.float().abs().max().item())
         self.assertEqual(st.grad_amax_history[1].item(), 0.0)
 
-    @parameterized.parameters(False, True)
-    def test_small_path_keeps_state_like_fp8_path_native(self, graph):
+    @parameterized.product(graph=[False, True], side=[0, 1, 2])
+    def test_small_path_keeps_state_like_fp8_path_native(self, graph, side):
         """The small path on PyTorch's autograd (no bias) leaves the state of
-        the FP8 path (bit-identical), eagerly and replayed from a CUDA graph;
-        a gradient with inf records nothing in the gradient's history."""
+        the FP8 path (bit-identical), eagerly and replayed from a CUDA graph,
+        with its state launch where set_small_record_stream puts it: on the
+        backward's stream (side=0), on a side stream beside the backward's
+        GEMMs (1), on the side stream while captured (2, the default); a
+        gradient with inf records nothing in the gradient's history."""
+        self.enterContext(small_record_stream(side))
         M, K, N = 96, 64, 48
         x, w, _, gy = make(M, K, N, bias=False, seed=3)
         g_inf = gy.clone()
@@ -331,6 +349,35 @@ class LinearFastPathTest(parameterized.TestCase):
                 cg.replay()
             torch.cuda.synchronize()
         for u, v in zip(st.tensors(), st_ref.tensors()):
+            self.assertTrue(torch.equal(u, v))
+
+    def test_small_path_side_stream_layers_and_strided_gradient(self):
+        """Three small layers in a row, each recording on the side stream
+        (set_small_record_stream(1); one pair of events reused layer after
+        layer), the last one's gradient a strided view (copied on the
+        backward's stream before the side stream reads it): the states and
+        gradients equal those of mode 0, step after step, with fresh data
+        each step."""
+        M, K = 512, 96
+        w = [rand((K, K), torch.float32, scale=0.1, special=False, seed=20 + i) for i in range(3)]
+        results = []
+        for mode in (0, 1):
+            with small_record_stream(mode):
+                sts = [torch_ops.FP8LinearState.create(4, device=DEV) for _ in w]
+                ws = [v.clone().requires_grad_() for v in w]
+                grads = []
+                for step in range(3):
+                    x = rand((M, K), torch.bfloat16, scale=1.0, special=False, seed=40 + step).requires_grad_()
+                    h = x
+                    for wi, st in zip(ws, sts):
+                        h = torch_ops.fp8_linear(h, wi, state=st, min_gemm_size=1 << 40)
+                    g = rand((K, M), torch.bfloat16, scale=1e-2, special=False, seed=60 + step).t()
+                    h.backward(g)
+                    grads.append(x.grad.clone())
+                torch.cuda.synchronize()
+                results.append([t.clone() for st in sts for t in st.tensors()] + grads + [v.grad for v in ws])
+        self.assertGreater(float(results[0][5].abs().max()), 0.0)  # the first layer's gradient history
+        for u, v in zip(*results):
             self.assertTrue(torch.equal(u, v))
 
     @parameterized.product(mkn=[(4096, 1024, 1024), (999, 1031, 24)],
