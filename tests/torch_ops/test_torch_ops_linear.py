@@ -351,6 +351,11 @@ class LinearFastPathTest(parameterized.TestCase):
         for u, v in zip(st.tensors(), st_ref.tensors()):
             self.assertTrue(torch.equal(u, v))
 
+    def test_set_small_record_stream_names_bad_mode(self):
+        ext = torch_ops.linear._ext()
+        with self.assertRaisesRegex(ValueError, "mode: expected -1"):
+            ext.set_small_record_stream(3)
+
     def test_small_path_side_stream_layers_and_strided_gradient(self):
         """Three small layers in a row, each recording on the side stream
         (set_small_record_stream(1); one pair of events reused layer after
