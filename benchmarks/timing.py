@@ -31,10 +31,9 @@ def cuda_median_ms(fn, iters=30, warmup=5):
     return statistics.median(_timed_ms(fn) for _ in range(iters))
 
 
-def cuda_graph_median_ms(fn, iters=20, warmup=3, per_graph=1):
-    """GPU time of one `fn()` without host overhead: `per_graph` calls captured
-    in one CUDA graph (after 3 eager warm-up calls on a side stream), the graph
-    replayed under `cuda_median_ms`, divided by `per_graph`."""
+def capture_graph(fn, per_graph=1):
+    """A CUDA graph of `per_graph` calls of `fn()`, captured after 3 eager
+    warm-up calls on a side stream and replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -47,6 +46,14 @@ def cuda_graph_median_ms(fn, iters=20, warmup=3, per_graph=1):
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def cuda_graph_median_ms(fn, iters=20, warmup=3, per_graph=1):
+    """GPU time of one `fn()` without host overhead: `per_graph` calls captured
+    in one CUDA graph (`capture_graph`), the graph replayed under
+    `cuda_median_ms`, divided by `per_graph`."""
+    graph = capture_graph(fn, per_graph)
     return cuda_median_ms(graph.replay, iters, warmup) / per_graph
 
 

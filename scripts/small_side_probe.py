@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_ops  # noqa: E402
 from benchmarks.linear import OursLinear, fwd_bwd  # noqa: E402
-from benchmarks.timing import _timed_ms, interleaved_median_ms  # noqa: E402
+from benchmarks.timing import _timed_ms, capture_graph, interleaved_median_ms  # noqa: E402
 
 
 def with_mode(ext, mode, fn):
@@ -43,20 +43,7 @@ def with_mode(ext, mode, fn):
 def graph_medians(fns, rounds, per_round):
     """GPU time per step of each function captured in its own CUDA graph, the
     graphs replayed in turn (`rounds` rounds of `per_round` replays)."""
-    graphs = {}
-    for name, fn in fns.items():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        graphs[name] = g
-    torch.cuda.synchronize()
+    graphs = {name: capture_graph(fn) for name, fn in fns.items()}
     samples = {name: [] for name in fns}
     for _ in range(rounds):
         for name, g in graphs.items():
