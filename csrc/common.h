@@ -98,6 +98,10 @@ FoldOutputs prepare_fold_grad_amax(const at::Tensor& pending, const at::Tensor& 
                                    const at::Tensor& scale, double inv_max, double mdiv, int algo, long long window,
                                    bool update_scale);
 void fold_launch(const at::Tensor& like, const FoldJob& job);
+
+// True when `stream` is capturing a CUDA graph, or its state cannot be read
+// (gemm.cpp).
+bool stream_capturing(cudaStream_t stream);
 }  // namespace torch_ops
 
 #define TORCH_OPS_CUDA_CHECK(expr)                                                     \

@@ -216,17 +216,6 @@ struct RelaxedCaptureMode {
   }
 };
 
-// True when `stream` is capturing a CUDA graph (or its state cannot be read:
-// then we behave as under capture and do not time).
-bool stream_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return true;
-  }
-  return cs != cudaStreamCaptureStatusNone;
-}
-
 // Mean milliseconds of one GEMM with `algo`: `warm` untimed launches, then
 // `reps` launches between two events on `stream`. Negative when a launch or
 // an event call failed (the error is cleared; the candidate is skipped).
@@ -393,6 +382,17 @@ at::Tensor fallback_gemm(const at::Tensor& a, const at::Tensor& b, const at::Ten
 }
 
 }  // namespace
+
+// True when `stream` is capturing a CUDA graph (or its state cannot be read:
+// then callers behave as under capture: no timing, no eager-only work).
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return cs != cudaStreamCaptureStatusNone;
+}
 
 at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& scale_a,
                     const at::Tensor& scale_b, const c10::optional<at::Tensor>& bias_in, at::ScalarType od,

@@ -427,12 +427,6 @@ struct RecordAfterBackward : torch::autograd::FunctionPostHook {
   bool on_side;
 };
 
-bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  TORCH_OPS_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
 // The small path's GEMM while autograd records, with the state launch in its
 // backward where small_record_stream puts it.
 at::Tensor small_linear_recorded(const at::Tensor& x2d, const at::Tensor& weight, const at::Tensor& wd,
@@ -442,7 +436,7 @@ at::Tensor small_linear_recorded(const at::Tensor& x2d, const at::Tensor& weight
   const int mode = small_record_stream();
   const int device = (int)x2d.get_device();
   const bool on_side = mode == kRecordSide ||
-                       (mode == kRecordAuto && capturing(c10::cuda::getCurrentCUDAStream(device).stream()));
+                       (mode == kRecordAuto && stream_capturing(c10::cuda::getCurrentCUDAStream(device).stream()));
   const auto& node = out.grad_fn();  // at::linear's / mm's node: out requires grad here
   TORCH_CHECK(node, "fp8_linear: the small path's output has no autograd node");
   if (on_side) node->add_pre_hook(std::make_unique<MarkBeforeBackward>(device));
