@@ -136,6 +136,28 @@ __device__ __forceinline__ void cluster_sync_all() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// One amax warp thread's share (thread `at` of 96) of a tile's |x| maxima:
+// WIDE issues all its 16-byte loads before the first max (one round trip;
+// the stage is held until they return), else four at a time.
+template <int kBytes, bool WIDE>
+__device__ __forceinline__ uint32_t amax_tile(const uint8_t* tile, int at, uint32_t acc) {
+  const uint4* p = reinterpret_cast<const uint4*>(tile);
+  constexpr int kVecs = kBytes / 16;
+  if (WIDE) {
+    constexpr int kN = (kVecs + 95) / 96;
+    static_assert(kN <= 24, "too many loads in flight");
+    uint4 v[kN];
+#pragma unroll
+    for (int q = 0; q < kN; ++q) v[q] = (at + 96 * q < kVecs) ? p[at + 96 * q] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int q = 0; q < kN; ++q) acc = amax16(acc, v[q]);
+  } else {
+#pragma unroll 4
+    for (int e = at; e < kVecs; e += 96) acc = amax16(acc, p[e]);
+  }
+  return acc;
+}
+
 // AMAX_READ = false: the amax warps wait and release the stages but read
 // nothing (what taking part in the pipeline costs by itself).
 // AMAX_C: the consumer warps read the amax share of each stage themselves,
@@ -203,35 +225,8 @@ __global__ void __launch_bounds__(384, 1)
       for (int i = 0; i < KL; ++i) {
         const int s = i % STAGES, kt = k0 + i;
         mbar_wait(&full[s], (i / STAGES) & 1);
-        if (AMAX_READ && kt % n_tiles == n_blk) {
-          const uint4* p = reinterpret_cast<const uint4*>(sA + s * A_BYTES);
-          if (AMAX_WIDE) {  // every load in flight at once
-            constexpr int kN = (A_BYTES / 16 + 95) / 96;
-            uint4 v[kN];
-#pragma unroll
-            for (int q = 0; q < kN; ++q) v[q] = (at + 96 * q < A_BYTES / 16) ? p[at + 96 * q] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int q = 0; q < kN; ++q) a_max = amax16(a_max, v[q]);
-          } else {
-#pragma unroll 4
-            for (int e = at; e < A_BYTES / 16; e += 96) a_max = amax16(a_max, p[e]);
-          }
-        }
-        if (AMAX_READ && kt % m_tiles == m_blk) {
-          const uint4* p = reinterpret_cast<const uint4*>(sB + s * B_BYTES);
-          if (AMAX_WIDE) {
-            constexpr int kN = (B_BYTES / 16 + 95) / 96;
-            static_assert(kN <= 24, "too many loads in flight");
-            uint4 v[kN];
-#pragma unroll
-            for (int q = 0; q < kN; ++q) v[q] = (at + 96 * q < B_BYTES / 16) ? p[at + 96 * q] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int q = 0; q < kN; ++q) b_max = amax16(b_max, v[q]);
-          } else {
-#pragma unroll 4
-            for (int e = at; e < B_BYTES / 16; e += 96) b_max = amax16(b_max, p[e]);
-          }
-        }
+        if (AMAX_READ && kt % n_tiles == n_blk) a_max = amax_tile<A_BYTES, AMAX_WIDE>(sA + s * A_BYTES, at, a_max);
+        if (AMAX_READ && kt % m_tiles == m_blk) b_max = amax_tile<B_BYTES, AMAX_WIDE>(sB + s * B_BYTES, at, b_max);
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[s]);
       }
