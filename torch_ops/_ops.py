@@ -14,19 +14,19 @@ is an empty tensor.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import _build
+from . import _env
 from . import emulation as emu
 
 _FMT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 # "cublaslt" (csrc/gemm.cpp, default) or "scaled_mm" (torch._scaled_mm, which
 # is cuBLASLt too, through PyTorch): a fallback switch, read once at import.
-GEMM_BACKEND = os.environ.get("TORCH_OPS_GEMM_BACKEND", "cublaslt")
+GEMM_BACKEND = _env.choice("TORCH_OPS_GEMM_BACKEND", ("cublaslt", "scaled_mm"), "cublaslt")
 _ALGO = {"max": 0, "most_recent": 1}
 
 

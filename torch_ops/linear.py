@@ -16,12 +16,12 @@ runs on the emulation ops (``emulation.fp8_linear``) as the reference.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
 
 from . import _build
+from . import _env
 from . import _ops
 from . import emulation as emu
 from .fold import check_channel
@@ -35,7 +35,7 @@ E5M2 = torch.float8_e5m2
 # quantize + FP8 GEMM launches cost more than they save. Overridable per call
 # (min_gemm_size=...) or by the environment variable, read once at import.
 # The default comes from benchmarks/linear.py on an H200 (docs/benchmarks.md).
-DEFAULT_MIN_GEMM_SIZE = int(os.environ.get("TORCH_OPS_FP8_MIN_GEMM_SIZE", str(8192 * 2048 * 2048)))
+DEFAULT_MIN_GEMM_SIZE = _env.integer("TORCH_OPS_FP8_MIN_GEMM_SIZE", 8192 * 2048 * 2048)
 
 
 @dataclasses.dataclass
@@ -287,7 +287,7 @@ def _fp8_linear(ops, fn, x, weight, bias, state, fp8_format, scaling, margin, am
 # C++ (csrc/linear.cpp, the same kernels and state rules as _fp8_linear on
 # _KernelOps, which stays the path of torch.compile and tensor subclasses).
 # TORCH_OPS_LINEAR_FAST=0 turns it off (read at import).
-FAST_PATH = os.environ.get("TORCH_OPS_LINEAR_FAST", "1") not in ("0", "")
+FAST_PATH = _env.choice("TORCH_OPS_LINEAR_FAST", ("0", "1"), "1") == "1"
 _FMT_ID = {"hybrid": 1, "e4m3": 0}
 _SCALING_ID = {"delayed": 1, "current": 2}
 _ALGO_ID = {"max": 0, "most_recent": 1}
