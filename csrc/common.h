@@ -12,9 +12,29 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
 #include <string>
 
 namespace torch_ops {
+// The index in `choices` of environment variable `name`'s value; `dflt`
+// where it is unset or empty. Any other value warns (naming the variable and
+// the values it accepts) and gives `dflt`. For settings read once.
+inline int env_choice(const char* name, std::initializer_list<const char*> choices, int dflt) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || v[0] == 0) return dflt;
+  int i = 0;
+  std::string accepted;
+  for (const char* c : choices) {
+    if (std::strcmp(v, c) == 0) return i;
+    accepted += std::string(i ? ", '" : "'") + c + "'";
+    ++i;
+  }
+  TORCH_WARN(name, "='", std::string(v), "' is not one of ", accepted, "; using the default");
+  return dflt;
+}
+
 // "(4, 7)" / "(5,)" as Python prints a shape tuple.
 inline std::string shape_str(const at::Tensor& t) {
   std::string s = "(";

@@ -330,9 +330,8 @@ int small_record_stream() {
   const int o = g_small_record_stream.load(std::memory_order_relaxed);
   if (o >= 0) return o;
   static const int v = [] {
-    const char* e = std::getenv("TORCH_OPS_SMALL_RECORD_STREAM");
-    const std::string s(e ? e : "");
-    return s == "0" ? kRecordTail : (s == "1" ? kRecordSide : kRecordAuto);
+    const int i = env_choice("TORCH_OPS_SMALL_RECORD_STREAM", {"0", "1", "2"}, 2);
+    return i == 0 ? kRecordTail : (i == 1 ? kRecordSide : kRecordAuto);
   }();
   return v;
 }

@@ -1029,8 +1029,7 @@ int num_sms() {
 // Per device, cached.
 int pdl_from_env() {
   static const int v = [] {
-    const char* e = std::getenv("TORCH_OPS_PDL");
-    return (e && std::string(e) == "0") ? 0 : 1;
+    return env_choice("TORCH_OPS_PDL", {"0", "1"}, 1);
   }();
   return v;
 }
@@ -1094,6 +1093,9 @@ std::pair<int, int> lean_from_env() {
     if (e && std::sscanf(e, "%d,%d", &tpw, &rows) == 2 && tpw >= 0 && tpw <= 1024 &&
         (rows == 1 || rows == 2 || rows == 4))
       d = {tpw, rows};
+    else if (e && e[0])
+      TORCH_WARN("TORCH_OPS_LEAN='", std::string(e),
+                 "' is not \"tiles_per_warp,rows\" (tiles_per_warp 0 to 1024, rows 1, 2 or 4); using \"1,2\"");
     return d;
   }();
   return v;
@@ -1113,9 +1115,8 @@ int tile_version() {
   const int o = g_tile_override.load(std::memory_order_relaxed);
   if (o) return o;
   static const int v = [] {
-    const char* e = std::getenv("TORCH_OPS_QTILE");
-    const std::string s = e ? e : "";
-    return s == "v2" ? 2 : (s == "v3" ? 3 : 5);
+    const int i = env_choice("TORCH_OPS_QTILE", {"v2", "v3", "v5"}, 2);
+    return i == 0 ? 2 : (i == 1 ? 3 : 5);
   }();
   return v;
 }
@@ -1130,8 +1131,7 @@ bool delayed_prepass() {
   const int o = g_delayed_prepass.load(std::memory_order_relaxed);
   if (o >= 0) return o == 1;
   static const bool v = [] {
-    const char* e = std::getenv("TORCH_OPS_DELAYED_PREPASS");
-    return e && std::string(e) == "1";
+    return env_choice("TORCH_OPS_DELAYED_PREPASS", {"0", "1"}, 0) == 1;
   }();
   return v;
 }

@@ -356,6 +356,36 @@ class LinearFastPathTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "mode: expected -1"):
             ext.set_small_record_stream(3)
 
+    def test_unknown_env_settings_warn_once_and_default(self):
+        """The C++ settings read from the environment (once): unknown values
+        warn once each, naming the variable, and the defaults run (a small
+        training call (M = 64: below min_gemm_size) and an FP8 one (M = 4096),
+        twice each, in a fresh process)."""
+        import os
+        import subprocess
+        import sys
+
+        code = (
+            "import torch, torch_ops\n"
+            "for _ in range(2):\n"
+            "    for M in (64, 4096):\n"
+            "        st = torch_ops.FP8LinearState.create(device='cuda')\n"
+            "        x = torch.randn(M, 256, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+            "        w = torch.randn(512, 256, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+            "        y = torch_ops.fp8_linear(x, w, state=st, min_gemm_size=1 << 26)\n"
+            "        y.float().sum().backward()\n"
+            "        assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()\n"
+            "        assert float(st.grad_amax_history[0]) > 0\n"
+            "torch.cuda.synchronize(); print('ok')\n")
+        bad = {"TORCH_OPS_SMALL_RECORD_STREAM": "7", "TORCH_OPS_QTILE": "v9", "TORCH_OPS_PDL": "maybe",
+               "TORCH_OPS_DELAYED_PREPASS": "2", "TORCH_OPS_LEAN": "fast"}
+        out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **bad), capture_output=True,
+                             text=True, timeout=600)
+        self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+        self.assertIn("ok", out.stdout)
+        for name in bad:
+            self.assertEqual(out.stderr.count(name + "="), 1, (name, out.stderr[-2000:]))
+
     def test_small_path_side_stream_layers_and_strided_gradient(self):
         """Three small layers in a row, each recording on the side stream
         (set_small_record_stream(1); one pair of events reused layer after
