@@ -151,6 +151,28 @@ int set_delayed_prepass(int64_t mode) {
   return torch_ops::set_delayed_prepass((int)mode);
 }
 
+// gemm_amax for tests: state_a / state_b empty (not recorded) or
+// (history, scale); fmt_a / fmt_b their FP8 formats (0 E4M3, 1 E5M2).
+at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int64_t layout, const std::vector<at::Tensor>& state_a,
+                     const std::vector<at::Tensor>& state_b, int64_t fmt_a, int64_t fmt_b, int64_t algo, double mdiv) {
+  TORCH_CHECK(layout >= 0 && layout <= 2, "layout: expected 0, 1 or 2, got ", std::to_string(layout));
+  TORCH_CHECK(torch_ops::gemm_amax_applies(a, b, (int)layout),
+              "a, b: expected contiguous 16-byte-aligned bfloat16 matrices with rows a multiple of 8 elements and "
+              "matching inner dimensions, on an sm_90 device");
+  torch_ops::AmaxRecord ra{&a, nullptr, nullptr, (int)fmt_a}, rb{&b, nullptr, nullptr, (int)fmt_b};
+  for (auto* st : {&state_a, &state_b}) {
+    TORCH_CHECK(st->empty() || st->size() == 2, "state_a, state_b: expected [] or [history, scale]");
+    if (st->size() == 2) {
+      torch_ops::check_f32_state((*st)[0], "state history", a, -1, true);
+      torch_ops::check_f32_state((*st)[1], "state scale", a, 1, false);
+    }
+  }
+  if (!state_a.empty()) ra.hist = &state_a[0], ra.scale = &state_a[1];
+  if (!state_b.empty()) rb.hist = &state_b[0], rb.scale = &state_b[1];
+  return torch_ops::gemm_amax(a, b, (int)layout, state_a.empty() ? nullptr : &ra, state_b.empty() ? nullptr : &rb,
+                              (int)algo, mdiv);
+}
+
 int set_small_record_stream(int64_t mode) {
   TORCH_CHECK_VALUE(mode >= -1 && mode <= 2,
                     "mode: expected -1 (as TORCH_OPS_SMALL_RECORD_STREAM says), 0 (the backward's stream), 1 (a side "
@@ -182,6 +204,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "mode (-1 TORCH_OPS_SMALL_RECORD_STREAM, 0 the backward's stream, 1 a side stream beside the backward's "
         "GEMMs, 2 (default) 1 while a CUDA graph is captured and 0 otherwise): where the small path's state launch "
         "runs in this process -> previous override");
+  m.def("gemm_amax", &gemm_amax,
+        "a, b, layout, state_a, state_b, fmt_a, fmt_b, algo, mdiv -> out (bf16 GEMM recording its operands' amax)");
+  m.def("gemm_amax_applies", [](const at::Tensor& a, const at::Tensor& b, int64_t layout) {
+    return torch_ops::gemm_amax_applies(a, b, (int)layout);
+  });
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
   m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "

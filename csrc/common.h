@@ -74,6 +74,16 @@ struct FoldJob;  // below
 // `fold`: optional; the last block of the first tensor's job also runs it.
 void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv, const FoldJob* fold = nullptr);
 
+// The small path's bf16 GEMM that records its operands' amax (gemm_amax.cu):
+// layout 0: out (M, N) = a (M, K) . b (N, K)^T; 1: a (M, K) . b (K, N);
+// 2: a (K, M)^T . b (K, N). rec_a / rec_b (null: not recorded; the record's
+// `x` is unused: the operand is the tensor). gemm_amax_applies says where it
+// runs (bf16, contiguous, 16-byte aligned, rows a multiple of 8 elements,
+// an sm_90 device).
+bool gemm_amax_applies(const at::Tensor& a, const at::Tensor& b, int layout);
+at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const AmaxRecord* rec_a,
+                     const AmaxRecord* rec_b, int algo, double mdiv);
+
 // keras_fp8's gradient channel folded into the gradient's scaling state by
 // one block (fold.cu: fold_grad_amax, and torch_ops/fold.py for the meaning
 // of every entry): reads `pending` and `fold_state`, updates `history`,

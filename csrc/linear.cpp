@@ -444,6 +444,72 @@ at::Tensor small_linear_recorded(const at::Tensor& x2d, const at::Tensor& weight
   return out;
 }
 
+// The small path on our own bf16 GEMMs (gemm_amax.cu), which record the
+// amaxes as they read their operands: the forward's GEMM records x's and
+// W's (as the FP8 path's quantizes do, in the forward), dX's the
+// gradient's; dW is cuBLAS's (at::mm). No state kernel reads x, W and the
+// gradient again, and no hooks: one launch in the forward, two in the
+// backward, as nn.Linear. Where the gradient does not suit the kernel (or
+// dX is not needed), the gradient's amax is recorded by a launch of its own.
+struct SmallAmax {
+  at::Tensor wd;  // the weight as the kernels read it (contiguous, bf16)
+  at::Tensor xs, xh, ws, wh, gs, gh;
+  bool in_out = false;
+  int grad_fmt = 1, algo = 0;
+  double mdiv = 1.0;
+};
+
+class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x2d, const at::Tensor& weight,
+                            const SmallAmax& s) {
+    (void)weight;  // s.wd holds its values
+    const AmaxRecord rx{&x2d, &s.xh, &s.xs, kE4M3}, rw{&s.wd, &s.wh, &s.ws, kE4M3};
+    at::Tensor out = gemm_amax(x2d, s.wd, s.in_out ? 1 : 0, &rx, &rw, s.algo, s.mdiv);
+    ctx->save_for_backward({x2d, s.wd});
+    auto& sd = ctx->saved_data;
+    // The grad state is written by the kernels through raw pointers (as in
+    // LinearFn): kept without version checks.
+    sd["gs"] = s.gs;
+    sd["gh"] = s.gh;
+    sd["c"] = (int64_t)(s.grad_fmt | (s.algo << 4) | (s.in_out ? 256 : 0));
+    sd["m"] = s.mdiv;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x2d = saved[0], &wd = saved[1];
+    const at::Tensor gs = ctx->saved_data["gs"].toTensor(), gh = ctx->saved_data["gh"].toTensor();
+    const int64_t c = ctx->saved_data["c"].toInt();
+    const int grad_fmt = (int)(c & 15), algo = (int)((c >> 4) & 15);
+    const bool in_out = (c & 256) != 0;
+    const double mdiv = ctx->saved_data["m"].toDouble();
+    at::Tensor dx, dw;
+    if (!grads[0].defined()) return {dx, dw, at::Tensor()};
+    const at::Tensor g2d = grads[0].contiguous();
+    const AmaxRecord rg{&g2d, &gh, &gs, grad_fmt};
+    const int dx_layout = in_out ? 0 : 1;  // g . W^T for a (K, N) weight, g . W for (N, K)
+    bool recorded = false;
+    if (ctx->needs_input_grad(0)) {
+      if (gemm_amax_applies(g2d, wd, dx_layout)) {
+        dx = gemm_amax(g2d, wd, dx_layout, &rg, nullptr, algo, mdiv);
+        recorded = true;
+      } else {
+        const at::Tensor w = wd.to(g2d.scalar_type());
+        dx = in_out ? g2d.mm(w.t()) : g2d.mm(w);
+      }
+    }
+    if (!recorded) amax_record_launch(&rg, 1, algo, mdiv);
+    if (ctx->needs_input_grad(1)) {
+      // In the weight's own layout: in_out (K, N) = x^T g, out_in (N, K) = g^T x.
+      const at::Tensor xg = x2d.to(g2d.scalar_type());
+      dw = (in_out ? xg.t().mm(g2d) : g2d.t().mm(xg)).to(wd.scalar_type());
+    }
+    return {dx, dw, at::Tensor()};
+  }
+};
+
 // The call after check_args. `sink`: none, a 0-d sink (linear) or the (3,)
 // pending vector (linear_folded, with its fold token, undefined when not
 // training). `fold`: null, or the gradient channel's fold (linear_folded's
@@ -516,7 +582,25 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     }
   }
   at::Tensor out;
-  if (native_small) {
+  // Our GEMMs that record the amaxes (SmallAmaxFn): bf16 x and weight, no
+  // bias, delayed scaling while training, shapes the kernel takes, sm_90;
+  // not while the stream is captured into a CUDA graph: there host time is
+  // free and cuBLAS's GEMMs with the state kernel on a side stream take less
+  // GPU time than ours with each record finalized in its last CTA (~3.3 us
+  // a record, session 17: scripts/gemm_amax_graph_probe.py).
+  const bool small_amax = native_small && record && !bias.has_value() && x2d.scalar_type() == at::kBFloat16 &&
+                          wd.scalar_type() == at::kBFloat16 && gemm_amax_applies(x2d, wd, in_out ? 1 : 0) &&
+                          !stream_capturing(c10::cuda::getCurrentCUDAStream(x2d.get_device()).stream());
+  if (small_amax) {
+    SmallAmax s;
+    s.wd = wd;
+    s.xs = state[0], s.xh = state[1], s.ws = state[2], s.wh = state[3], s.gs = state[4], s.gh = state[5];
+    s.in_out = in_out;
+    s.grad_fmt = (int)grad_fmt;
+    s.algo = (int)algo;
+    s.mdiv = mdiv;
+    out = SmallAmaxFn::apply(x2d, weight, s);
+  } else if (native_small) {
     out = record ? small_linear_recorded(x2d, weight, wd, bias, in_out, state, (int)grad_fmt, (int)algo, mdiv)
                  : small_linear(x2d, weight, bias, in_out);
   } else if (needs_graph) {

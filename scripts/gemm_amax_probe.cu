@@ -28,7 +28,7 @@
 // Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
 //     scripts/gemm_amax_probe.cu -lcublas -o /tmp/gemm_amax_probe && /tmp/gemm_amax_probe
-// scripts/wgmma_bf16.cuh is written by scripts/gen_wgmma.py.
+// csrc/wgmma_bf16.cuh is written by scripts/gen_wgmma.py.
 #include <cublas_v2.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -43,7 +43,7 @@
 #include <random>
 #include <vector>
 
-#include "wgmma_bf16.cuh"
+#include "../csrc/wgmma_bf16.cuh"
 
 #define CK(x)                                                                               \
   do {                                                                                      \

@@ -1,4 +1,4 @@
-"""Writes scripts/wgmma_bf16.cuh: `Wgmma<N, TA, TB>::mma(d, desc_a, desc_b)`,
+"""Writes csrc/wgmma_bf16.cuh: `Wgmma<N, TA, TB>::mma(d, desc_a, desc_b)`,
 one `wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16` (d += A . B, both
 operands from shared-memory descriptors; TA / TB select MN-major operands)
 for N in 64, 128, 256. The accumulator operand lists are too long to write by
@@ -36,7 +36,7 @@ def one(n, ta, tb):
 
 def main():
     parts = [HEADER] + [one(n, ta, tb) for n in (64, 128, 256) for ta in (0, 1) for tb in (0, 1)]
-    out = pathlib.Path(__file__).with_name("wgmma_bf16.cuh")
+    out = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "wgmma_bf16.cuh"
     out.write_text("\n".join(parts))
     print(out)
 

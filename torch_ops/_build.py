@@ -18,7 +18,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 # An installed wheel ships the sources as torch_ops/csrc (pyproject.toml); a
 # source checkout has them at the top level.
 _CSRC = _HERE / "csrc" if (_HERE / "csrc").is_dir() else _HERE.parent / "csrc"
-_SOURCES = ("bindings.cpp", "gemm.cpp", "quantize.cu", "fold.cu", "linear.cpp")
+_SOURCES = ("bindings.cpp", "gemm.cpp", "quantize.cu", "fold.cu", "linear.cpp", "gemm_amax.cu")
 
 _lock = threading.Lock()
 _module = None

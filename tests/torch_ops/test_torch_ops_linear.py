@@ -359,8 +359,9 @@ class LinearFastPathTest(parameterized.TestCase):
     def test_unknown_env_settings_warn_once_and_default(self):
         """The C++ settings read from the environment (once): unknown values
         warn once each, naming the variable, and the defaults run (a small
-        training call (M = 64: below min_gemm_size) and an FP8 one (M = 4096),
-        twice each, in a fresh process)."""
+        training call (M = 64: below min_gemm_size; a float32 weight, so the
+        small path of cuBLAS's GEMMs and the state launch) and an FP8 one
+        (M = 4096), twice each, in a fresh process)."""
         import os
         import subprocess
         import sys
@@ -371,7 +372,7 @@ class LinearFastPathTest(parameterized.TestCase):
             "    for M in (64, 4096):\n"
             "        st = torch_ops.FP8LinearState.create(device='cuda')\n"
             "        x = torch.randn(M, 256, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
-            "        w = torch.randn(512, 256, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+            "        w = torch.randn(512, 256, device='cuda', requires_grad=True)\n"
             "        y = torch_ops.fp8_linear(x, w, state=st, min_gemm_size=1 << 26)\n"
             "        y.float().sum().backward()\n"
             "        assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()\n"

@@ -1,0 +1,512 @@
+// A bf16 GEMM of our own for fp8_linear's small path (below min_gemm_size):
+// out = A . B in fp32 accumulation, bf16 out, that also takes the amax of
+// its operands as they pass through shared memory and records them into
+// their FP8 state (history shift and next scale by the last CTA, the same
+// Finalize / block_done as the quantize kernels: finalize.cuh). So the small
+// path keeps the FP8 state warm without reading x, W and the gradient again
+// and without a state launch of its own (docs/torch_ops.md, session 17's
+// probe scripts/gemm_amax_probe.cu: 1.06-1.12x of cuBLAS with the amaxes).
+//
+// Hopper only (sm_90a: TMA, wgmma, clusters). 384 threads per CTA:
+// warpgroup 0 is the producer (one lane issues the TMA loads into a ring of
+// stages) and three amax warps; warpgroups 1 and 2 each compute 64 rows x
+// BN columns with wgmma from 128-byte-swizzled shared memory; the epilogue
+// goes through swizzled shared memory and TMA stores (clipped at the edges).
+// The amax work is spread over the CTAs: the A tile (row block m, k step s)
+// is reduced by the CTA with n == s % n_tiles, the B tile (column block n,
+// k step s) by the CTA with m == s % m_tiles: every element is read once
+// more from shared memory in all. 16-bit |x| maxima as packed unsigned
+// halves (NaN > inf > finite, as the quantize kernels). Split-K over a
+// two-CTA cluster (partial sums added through distributed shared memory)
+// where the output has too few tiles to fill the GPU.
+//
+// Layouts (all row-major, contiguous): 0: out (M, N) = a (M, K) . b (N, K)^T
+// (the forward, out_in weight); 1: a (M, K) . b (K, N) (the forward of an
+// in_out weight, dX of an out_in one); 2: a (K, M)^T . b (K, N).
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <string>
+
+#include "common.h"
+#include "finalize.cuh"
+#include "wgmma_bf16.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || !defined(__CUDA_ARCH_FEAT_SM90_ALL))
+#define TORCH_OPS_GEMM_AMAX_STUB 1  // device code for targets without wgmma: never launched
+#endif
+
+namespace torch_ops {
+unsigned* state_workspace(const at::Tensor& like, cudaStream_t stream);  // quantize.cu
+
+namespace {
+
+constexpr int kGemmThreads = 384, kBM = 128, kBK = 64;
+
+// The state updates of one launch: A's amax (job 0), B's (job 1).
+struct GemmAmaxJobs {
+  Finalize f[2];
+  int on[2];
+};
+
+#ifndef TORCH_OPS_GEMM_AMAX_STUB
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(b)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Shared-memory matrix descriptors, 128-byte swizzle. K-major: rows of 128
+// bytes along K, 8-row groups 1024 bytes apart. MN-major: 128-byte rows
+// along M or N (one per k), 64-element boxes `lbo` bytes apart along M or N,
+// 8-row groups 1024 bytes apart along K.
+__device__ __forceinline__ uint64_t desc_k_major(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+__device__ __forceinline__ uint64_t desc_mn_major(uint32_t saddr, uint32_t lbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ uint32_t amax16(uint32_t acc, const uint4& v) {
+  acc = __vmaxu2(acc, v.x & 0x7FFF7FFFu);
+  acc = __vmaxu2(acc, v.y & 0x7FFF7FFFu);
+  acc = __vmaxu2(acc, v.z & 0x7FFF7FFFu);
+  return __vmaxu2(acc, v.w & 0x7FFF7FFFu);
+}
+
+// One amax warp thread's share (thread `at` of 96) of a tile's |x| maxima,
+// all its 16-byte loads issued before the first max: the stage is held
+// until they return (four at a time cost up to 5 us per GEMM, session 17).
+template <int kBytes>
+__device__ __forceinline__ uint32_t amax_tile(const uint8_t* tile, int at, uint32_t acc) {
+  const uint4* p = reinterpret_cast<const uint4*>(tile);
+  constexpr int kVecs = kBytes / 16, kN = (kVecs + 95) / 96;
+  static_assert(kN <= 24, "too many loads in flight");
+  uint4 v[kN];
+#pragma unroll
+  for (int q = 0; q < kN; ++q) v[q] = (at + 96 * q < kVecs) ? p[at + 96 * q] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int q = 0; q < kN; ++q) acc = amax16(acc, v[q]);
+  return acc;
+}
+#endif  // TORCH_OPS_GEMM_AMAX_STUB
+
+template <int BN, int STAGES, int LAYOUT, int SPLIT>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    gemm_amax_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                     const __grid_constant__ CUtensorMap tmC, int M, int N, int K, const GemmAmaxJobs jobs) {
+#ifdef TORCH_OPS_GEMM_AMAX_STUB
+  __trap();
+#else
+  constexpr bool kAMN = LAYOUT == 2, kBMN = LAYOUT >= 1;
+  constexpr int A_BYTES = kBM * kBK * 2, B_BYTES = BN * kBK * 2;
+  extern __shared__ uint8_t smem_raw[];
+  // [1..3] / [9..11]: the amax warps' maxima of A / B; from 16: block_done's.
+  __shared__ unsigned red[16 + kRedWords];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sA = smem;
+  uint8_t* sB = smem + STAGES * A_BYTES;
+  uint64_t* full = reinterpret_cast<uint64_t*>(sB + STAGES * B_BYTES);
+  uint64_t* empty = full + STAGES;
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
+  const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + kBM - 1) / kBM;
+  const int tile = blockIdx.x / SPLIT, rank = blockIdx.x % SPLIT;
+  const int m_blk = tile / n_tiles, n_blk = tile % n_tiles;
+  // This CTA's k steps [k0, k0 + KL) (split-K: its half).
+  const int kt_all = (K + kBK - 1) / kBK, per_split = (kt_all + SPLIT - 1) / SPLIT;
+  const int k0 = rank * per_split, KL = max(0, min(kt_all, k0 + per_split) - k0);
+  const bool amax_a = jobs.on[0] != 0, amax_b = jobs.on[1] != 0;
+
+  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmA)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmB)) : "memory");
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8 + 3);  // the consumer warps and the amax warps release a stage
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (tid < 16) red[tid] = 0u;
+  __syncthreads();
+
+  if (wg == 0) {
+    if (warp == 0) {
+      if (lane == 0) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");  // the operands' producer is done (PDL)
+        for (int i = 0; i < KL; ++i) {
+          const int s = i % STAGES, kt = k0 + i;
+          if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
+          mbar_expect_tx(&full[s], A_BYTES + B_BYTES);
+          if (kAMN) {
+            tma_load(sA + s * A_BYTES, &tmA, &full[s], m_blk * kBM, kt * kBK);
+            tma_load(sA + s * A_BYTES + 8192, &tmA, &full[s], m_blk * kBM + 64, kt * kBK);
+          } else {
+            tma_load(sA + s * A_BYTES, &tmA, &full[s], kt * kBK, m_blk * kBM);
+          }
+          if (kBMN) {
+#pragma unroll
+            for (int b = 0; b < BN / 64; ++b)
+              tma_load(sB + s * B_BYTES + b * 8192, &tmB, &full[s], n_blk * BN + b * 64, kt * kBK);
+          } else {
+            tma_load(sB + s * B_BYTES, &tmB, &full[s], kt * kBK, n_blk * BN);
+          }
+        }
+      }
+    } else {
+      // The amax warps: every stage passes through them (they release it).
+      const int at = tid - 32;  // 0..95
+      uint32_t a_max = 0, b_max = 0;
+      for (int i = 0; i < KL; ++i) {
+        const int s = i % STAGES, kt = k0 + i;
+        mbar_wait(&full[s], (i / STAGES) & 1);
+        if (amax_a && kt % n_tiles == n_blk) a_max = amax_tile<A_BYTES>(sA + s * A_BYTES, at, a_max);
+        if (amax_b && kt % m_tiles == m_blk) b_max = amax_tile<B_BYTES>(sB + s * B_BYTES, at, b_max);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+      }
+      a_max = __reduce_max_sync(0xFFFFFFFFu, max(a_max & 0xFFFFu, a_max >> 16));
+      b_max = __reduce_max_sync(0xFFFFFFFFu, max(b_max & 0xFFFFu, b_max >> 16));
+      if (lane == 0) {  // bf16 bits -> float32 bits
+        red[warp] = a_max << 16;
+        red[8 + warp] = b_max << 16;
+      }
+      if (SPLIT == 1) named_arrive(1, 352);  // the consumers may reuse the stages
+    }
+  } else {
+    // The consumers.
+    const int c = wg - 1, w = warp % 4;
+    float d[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+    for (int i = 0; i < KL; ++i) {
+      const int s = i % STAGES;
+      mbar_wait(&full[s], (i / STAGES) & 1);
+      wgmma_fence();
+      const uint32_t a0 = smem_u32(sA + s * A_BYTES + c * 64 * 128), b0 = smem_u32(sB + s * B_BYTES);
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        if (kAMN) {  // this warpgroup's 64 rows are the stage's c-th 64 x 64 box
+          Wgmma<BN, 1, 1>::mma(d, desc_mn_major(a0 + kk * 2048, 8192), desc_mn_major(b0 + kk * 2048, 8192));
+        } else if (kBMN) {
+          Wgmma<BN, 0, 1>::mma(d, desc_k_major(a0 + kk * 32), desc_mn_major(b0 + kk * 2048, 8192));
+        } else {
+          Wgmma<BN, 0, 0>::mma(d, desc_k_major(a0 + kk * 32), desc_k_major(b0 + kk * 32));
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      if (i > 0 && lane == 0) mbar_arrive(&empty[(i - 1) % STAGES]);
+    }
+    wgmma_wait<0>();
+    bool store = true;
+    if (SPLIT > 1) {
+      // Both CTAs are done with their stages (the amax warps and the
+      // producer take part in the two cluster barriers below); rank 1 adds
+      // its partial sums into rank 0's shared memory (one float4 per thread
+      // and 4 registers, thread-minor), rank 0 adds them up.
+      const int ct = tid - 128;  // 0..255
+      cluster_sync_all();
+      if (rank == 1) {
+        uint32_t remote;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(smem_u32(smem)));
+#pragma unroll
+        for (int q = 0; q < BN / 8; ++q)
+          asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote + (q * 256 + ct) * 16),
+                       "f"(d[4 * q]), "f"(d[4 * q + 1]), "f"(d[4 * q + 2]), "f"(d[4 * q + 3])
+                       : "memory");
+      }
+      cluster_sync_all();
+      store = rank == 0;
+      if (store) {
+        const float4* part = reinterpret_cast<const float4*>(smem);
+#pragma unroll
+        for (int q = 0; q < BN / 8; ++q) {
+          const float4 v = part[q * 256 + ct];
+          d[4 * q] += v.x;
+          d[4 * q + 1] += v.y;
+          d[4 * q + 2] += v.z;
+          d[4 * q + 3] += v.w;
+        }
+      }
+    }
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (store) {
+      // Through shared memory (the stages, free once both warpgroups and
+      // the amax warps are done with them): 128-byte swizzled 64 x 64
+      // sub-tiles, one TMA store each.
+      named_sync(1, SPLIT == 1 ? 352 : 256);
+      uint8_t* sC = smem + c * (64 * BN * 2);
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = w * 16 + lane / 4 + 8 * h;
+          const uint32_t off = (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) * 16) + (lane % 4) * 4;
+          __nv_bfloat162 v = __floats2bfloat162_rn(d[j * 4 + 2 * h], d[j * 4 + 2 * h + 1]);
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(sC + off)), "r"(*reinterpret_cast<uint32_t*>(&v))
+                       : "memory");
+        }
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      named_sync(2 + c, 128);
+      if (tid % 128 == 0) {
+#pragma unroll
+        for (int sub = 0; sub < BN / 64; ++sub)
+          tma_store(&tmC, sC + sub * 8192, n_blk * BN + sub * 64, m_blk * kBM + c * 64);
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      }
+    }
+  }
+  if (SPLIT > 1 && wg == 0) {  // the consumers' two cluster barriers
+    cluster_sync_all();
+    cluster_sync_all();
+  }
+  // Every thread of every CTA: the amaxes into the state (the last CTA
+  // records them; block_done needs the whole block).
+  if (amax_a || amax_b) {
+    __syncthreads();
+    const unsigned a = max(max(red[1], red[2]), red[3]), b = max(max(red[9], red[10]), red[11]);
+    if (amax_a) block_done(a, jobs.f[0], red + 16, gridDim.x);
+    __syncthreads();  // block_done's is_last flag, read by all, before the next call writes it
+    if (amax_b) block_done(b, jobs.f[1], red + 16, gridDim.x);
+  }
+#endif
+}
+
+// ------------------------------------------------------------------ host
+
+using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeFn encode_fn() {
+  static const EncodeFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    TORCH_OPS_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(p != nullptr && found == cudaDriverEntryPointSuccess,
+                "torch_ops: no cuTensorMapEncodeTiled in the CUDA driver");
+    return reinterpret_cast<EncodeFn>(p);
+  }();
+  return fn;
+}
+
+// A 2-D bf16 row-major (outer, inner) tensor's map, 128-byte-swizzled boxes
+// of (box_outer, box_inner) elements; out-of-bounds reads are zeros.
+CUtensorMap tensor_map(const at::Tensor& t, uint64_t inner, uint64_t outer, uint32_t box_inner, uint32_t box_outer) {
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {inner * 2};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(), dims, strides, box, elem,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "gemm_amax: cuTensorMapEncodeTiled failed (", std::to_string((int)r), ")");
+  return m;
+}
+
+int device_sms(int device) {
+  static std::atomic<int> sms[64];
+  if (device < 0 || device >= 64) return 132;
+  int n = sms[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    sms[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+template <int BN, int STAGES, int LAYOUT, int SPLIT>
+void launch(int device, cudaStream_t stream, const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc,
+            int M, int N, int K, const GemmAmaxJobs& jobs) {
+  constexpr int kSmem = STAGES * (kBM * kBK * 2 + BN * kBK * 2) + 2 * STAGES * 8 + 1024;
+  auto kernel = gemm_amax_kernel<BN, STAGES, LAYOUT, SPLIT>;
+  static std::atomic<bool> configured[64];
+  if (device >= 0 && device < 64 && !configured[device].load(std::memory_order_acquire)) {
+    TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    configured[device].store(true, std::memory_order_release);
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)(((M + kBM - 1) / kBM) * ((N + BN - 1) / BN) * SPLIT));
+  cfg.blockDim = dim3(kGemmThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  int n = 1;
+  if (SPLIT > 1) {
+    attrs[1].id = cudaLaunchAttributeClusterDimension;
+    attrs[1].val.clusterDim.x = SPLIT;
+    attrs[1].val.clusterDim.y = 1;
+    attrs[1].val.clusterDim.z = 1;
+    n = 2;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  TORCH_OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta, tb, tc, M, N, K, jobs));
+}
+
+template <int LAYOUT>
+void launch_for(int device, cudaStream_t stream, const CUtensorMap& ta, const CUtensorMap& tb,
+                const CUtensorMap& tc, int M, int N, int K, int bn, int split, const GemmAmaxJobs& jobs) {
+  if (bn == 256) launch<256, 4, LAYOUT, 1>(device, stream, ta, tb, tc, M, N, K, jobs);
+  else if (split == 2) launch<128, 6, LAYOUT, 2>(device, stream, ta, tb, tc, M, N, K, jobs);
+  else launch<128, 4, LAYOUT, 1>(device, stream, ta, tb, tc, M, N, K, jobs);
+}
+
+bool is_sm90(int device) {
+  static std::atomic<int> cc[64];  // 0: not looked up yet
+  if (device < 0 || device >= 64) return false;
+  int v = cc[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0, minor = 0;
+    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    v = major * 10 + minor;
+    cc[device].store(v, std::memory_order_relaxed);
+  }
+  return v == 90;
+}
+
+bool tma_ready(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.is_contiguous() && t.is_cuda() &&
+         t.size(0) > 0 && t.size(1) > 0 && t.size(1) % 8 == 0 && t.size(0) < (1LL << 31) &&
+         t.size(1) < (1LL << 31) && (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0;
+}
+
+}  // namespace
+
+// Whether gemm_amax runs `a`, `b` in `layout` here: bf16, 2-D, contiguous,
+// 16-byte aligned, row lengths a multiple of 8 (TMA), on an sm_90 device
+// (TORCH_OPS_GEMM_AMAX=0, read once, turns it off: the cuBLAS GEMMs and the
+// separate state launch of before).
+bool gemm_amax_applies(const at::Tensor& a, const at::Tensor& b, int layout) {
+  static const bool enabled = env_choice("TORCH_OPS_GEMM_AMAX", {"0", "1"}, 1) == 1;
+  if (!enabled || layout < 0 || layout > 2 || !tma_ready(a) || !tma_ready(b) || a.device() != b.device())
+    return false;
+  const long long k_a = layout == 2 ? a.size(0) : a.size(1);
+  const long long k_b = layout == 0 ? b.size(1) : b.size(0);
+  const long long n = layout == 0 ? b.size(0) : b.size(1);
+  if (k_a != k_b || n % 8 != 0) return false;  // the output's rows too are TMA rows
+  return is_sm90((int)a.get_device());
+}
+
+// out (M, N) bf16 = the product of `a` and `b` in `layout` (see the top of
+// this file); rec_a / rec_b (may be null): record that operand's amax into
+// its history and scale as amax_record_launch would (delayed scaling,
+// seeding an empty history). Callers check gemm_amax_applies first.
+at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const AmaxRecord* rec_a,
+                     const AmaxRecord* rec_b, int algo, double mdiv) {
+  TORCH_CHECK(gemm_amax_applies(a, b, layout), "gemm_amax: operands it does not take (see gemm_amax_applies)");
+  const int M = (int)(layout == 2 ? a.size(1) : a.size(0));
+  const int K = (int)(layout == 2 ? a.size(0) : a.size(1));
+  const int N = (int)(layout == 0 ? b.size(0) : b.size(1));
+  const c10::cuda::CUDAGuard guard(a.device());
+  const int device = (int)a.get_device();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  at::Tensor out = at::empty({M, N}, a.options());
+
+  GemmAmaxJobs jobs{};
+  const AmaxRecord* recs[2] = {rec_a, rec_b};
+  if (rec_a || rec_b) {
+    unsigned* wsp = state_workspace(a, stream);
+    // As amax_record_launch: job i's counters at wsp + 2 + 2i, its
+    // scale_used at wsp + 2 + 2 * kMaxRecordJobs + i.
+    float* scratch = reinterpret_cast<float*>(wsp + 2 + 2 * kMaxRecordJobs);
+    for (int i = 0; i < 2; ++i) {
+      if (!recs[i]) continue;
+      float* hist = recs[i]->hist->data_ptr<float>();
+      float* scale = recs[i]->scale->data_ptr<float>();
+      Finalize& f = jobs.f[i];
+      f.ws = wsp + 2 + 2 * i;
+      f.history = hist;
+      f.H = recs[i]->hist->numel();
+      f.scale_state = scale;
+      f.scale_used = scratch + i;
+      f.algo = algo;
+      f.fmax = recs[i]->fmt == 1 ? 57344.0f : 448.0f;
+      f.mdiv = (float)mdiv;
+      f.seed_mode = 1;
+      f.prev_scale = scale;
+      f.seed_history = hist;
+      f.seed_H = f.H;
+      f.scale_used_out = scratch + i;
+      jobs.on[i] = 1;
+    }
+  }
+  // Tiles of 128 x 256 where they fill most of the GPU, else 128 x 128, with
+  // split-K over two CTAs where those leave half of it idle and K is long.
+  const int sms = device_sms(device);
+  const long long tiles256 = (long long)((M + 127) / 128) * ((N + 255) / 256);
+  const long long tiles128 = (long long)((M + 127) / 128) * ((N + 127) / 128);
+  const int bn = tiles256 * 4 >= 3LL * sms ? 256 : 128;
+  const int split = (bn == 128 && tiles128 * 2 < sms && (K + 63) / 64 >= 16) ? 2 : 1;
+
+  const CUtensorMap ta = layout == 2 ? tensor_map(a, M, K, 64, 64) : tensor_map(a, K, M, 64, 128);
+  const CUtensorMap tb = layout == 0 ? tensor_map(b, K, N, 64, bn) : tensor_map(b, N, K, 64, 64);
+  const CUtensorMap tc = tensor_map(out, N, M, 64, 64);
+  if (layout == 0) launch_for<0>(device, stream, ta, tb, tc, M, N, K, bn, split, jobs);
+  else if (layout == 1) launch_for<1>(device, stream, ta, tb, tc, M, N, K, bn, split, jobs);
+  else launch_for<2>(device, stream, ta, tb, tc, M, N, K, bn, split, jobs);
+  return out;
+}
+
+}  // namespace torch_ops

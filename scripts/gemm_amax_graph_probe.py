@@ -1,0 +1,69 @@
+"""Where the small path's GPU time goes in CUDA-graph replay (session 17):
+the GEMMs of one step as our gemm_amax (with and without its state
+records) and as cuBLAS (torch.mm), each step captured into a graph and
+replayed; the whole small-path step (fp8_linear) and nn.Linear's.
+
+Usage (GPU): python scripts/gemm_amax_graph_probe.py
+"""
+
+import torch
+
+import torch_ops
+from benchmarks.timing import capture_graph
+
+
+def replay_us(fn, iters=300):
+    g = capture_graph(fn)
+    for _ in range(10):
+        g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(iters):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / iters)
+    return sorted(times)[2]
+
+
+def main():
+    ext = torch_ops.linear._ext()
+    bf = torch.bfloat16
+    for M, K, N in ((4096, 1024, 1024), (1024, 2048, 1024)):
+        x = torch.randn(M, K, device="cuda", dtype=bf)
+        w = torch.randn(N, K, device="cuda", dtype=bf) * 0.05
+        g = torch.randn(M, N, device="cuda", dtype=bf) * 1e-3
+        hs = [(torch.zeros(1024, device="cuda"), torch.ones((), device="cuda")) for _ in range(3)]
+        st = lambda i: [hs[i][0], hs[i][1]]  # noqa: E731
+        rows = {
+            "fwd cuBLAS (x @ W^T)": lambda: torch.mm(x, w.t()),
+            "fwd ours, no record": lambda: ext.gemm_amax(x, w, 0, [], [], 0, 0, 0, 1.0),
+            "fwd ours, record x": lambda: ext.gemm_amax(x, w, 0, st(0), [], 0, 0, 0, 1.0),
+            "fwd ours, record x and W": lambda: ext.gemm_amax(x, w, 0, st(0), st(1), 0, 0, 0, 1.0),
+            "dX cuBLAS (g @ W)": lambda: torch.mm(g, w),
+            "dX ours, no record": lambda: ext.gemm_amax(g, w, 1, [], [], 1, 0, 0, 1.0),
+            "dX ours, record g": lambda: ext.gemm_amax(g, w, 1, st(2), [], 1, 0, 0, 1.0),
+            "dW cuBLAS (g^T @ x)": lambda: torch.mm(g.t(), x),
+        }
+        lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=bf)
+        state = torch_ops.FP8LinearState.create(device="cuda")
+        xr = x.clone().requires_grad_()
+
+        def step_bf16():
+            lin(xr).backward(g)
+
+        def step_ours():
+            torch_ops.fp8_linear(xr, lin.weight, state=state).backward(g)
+
+        rows["step nn.Linear"] = step_bf16
+        rows["step fp8_linear (small path)"] = step_ours
+        print(f"\n{M}x{K}x{N}: us per replay (median of 5 x 300)")
+        for name, fn in rows.items():
+            print(f"  {name:34s} {replay_us(fn):8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""gemm_amax (csrc/gemm_amax.cu): the small path's bf16 GEMM that records its
+operands' amax, and fp8_linear's small path on it (SmallAmaxFn in
+csrc/linear.cpp). Hopper (sm_90) only; skips elsewhere, as in CI.
+
+References: the product in float64 (bf16 output: relative error below
+1e-2), the state of the emulation's delayed quantize (bit for bit), the
+FP8 path's state, and fp8_linear's small path on cuBLAS (float32 weight)."""
+
+import pytest
+import torch
+from absl.testing import parameterized
+
+import torch_ops
+from torch_ops import emulation as emu
+
+from test_torch_ops_kernels import DEV, poison, rand, relerr
+
+E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+pytestmark = pytest.mark.skipif(
+    not (torch_ops.is_available() and _sm90()),
+    reason=f"needs the torch_ops kernels on an sm_90 GPU ({torch_ops.unavailable_reason() or 'not sm_90'})",
+)
+
+# (M, N, K): tiny, ragged multiples of 8, the small path's GEMMs at
+# 4096x1024x1024 (forward / dX: 4096 x 1024 x 1024) and 1024x2048x1024
+# (forward 1024 x 1024 x 2048: split-K; dX 1024 x 2048 x 1024), more K
+# steps than stages, M and N not multiples of the tiles.
+SHAPES = [(8, 8, 8), (64, 64, 64), (136, 24, 72), (300, 48, 64), (129, 264, 520), (1000, 1016, 2040),
+          (4000, 1000, 1024), (4096, 1024, 1024), (1024, 1024, 2048), (1024, 2048, 1024)]
+
+
+def _ext():
+    return torch_ops.linear._ext()
+
+
+def _operands(M, N, K, layout, seed, special=False):
+    """a (M, K) and b (N, K) as the layout takes them, and the two."""
+    a_mk = rand((M, K), BF16, scale=2.0, special=special, seed=seed)
+    b_nk = rand((N, K), BF16, scale=0.05, special=False, seed=seed + 1)
+    a = a_mk.t().contiguous() if layout == 2 else a_mk
+    b = b_nk if layout == 0 else b_nk.t().contiguous()
+    return a, b, a_mk, b_nk
+
+
+def _state(H=8):
+    return torch.zeros(H, device=DEV), torch.ones((), device=DEV)
+
+
+class GemmAmaxTest(parameterized.TestCase):
+    @parameterized.product(layout=[0, 1, 2], mnk=SHAPES)
+    def test_product_and_state(self, layout, mnk):
+        """Three calls on fresh data: the product (every element written:
+        the output memory is poisoned first) and both operands' histories
+        and scales as the emulation's delayed quantize leaves them."""
+        M, N, K = mnk
+        ext = _ext()
+        (ha, sa), (hb, sb) = _state(), _state()
+        (rha, rsa), (rhb, rsb) = _state(), _state()
+        for step in range(3):
+            a, b, a_mk, b_nk = _operands(M, N, K, layout, seed=10 * step + layout)
+            # A given as (K, M) (layout 2) is a TMA row of M elements: M % 8.
+            takes = layout != 2 or M % 8 == 0
+            self.assertEqual(ext.gemm_amax_applies(a, b, layout), takes)
+            if not takes:
+                return
+            poison()
+            out = ext.gemm_amax(a, b, layout, [ha, sa], [hb, sb], 0, 1, 0, 1.0)
+            torch.cuda.synchronize()
+            self.assertEqual((out.shape, out.dtype), ((M, N), BF16))
+            self.assertFalse(bool(torch.isnan(out).any()), "unwritten (poisoned) elements")
+            ref = a_mk.double() @ b_nk.double().t()
+            self.assertLess(relerr(out, ref), 1e-2, f"step {step}")
+            emu.quantize_delayed(a_mk, rha, rsa, E4M3)
+            emu.quantize_delayed(b_nk, rhb, rsb, E5M2)
+            for got, want, name in ((ha, rha, "a history"), (sa, rsa, "a scale"), (hb, rhb, "b history"),
+                                    (sb, rsb, "b scale")):
+                self.assertTrue(torch.equal(got, want), f"{name} step {step}: {got} vs {want}")
+
+    @parameterized.parameters(0, 1, 2)
+    def test_non_finite_operand_records_nothing(self, layout):
+        """inf / NaN in A: A's history and scale stay as they were; B's record."""
+        ext = _ext()
+        (ha, sa), (hb, sb) = _state(), _state()
+        a, b, _, b_nk = _operands(256, 128, 192, layout, seed=3)
+        ext.gemm_amax(a, b, layout, [ha, sa], [hb, sb], 0, 0, 0, 1.0)
+        h0, s0 = ha.clone(), sa.clone()
+        for bad in (float("inf"), float("nan")):
+            a2 = a.clone()
+            a2.view(-1)[1234] = bad
+            ext.gemm_amax(a2, b, layout, [ha, sa], [hb, sb], 0, 0, 0, 1.0)
+            torch.cuda.synchronize()
+            self.assertTrue(torch.equal(ha, h0) and torch.equal(sa, s0), bad)
+        self.assertEqual(hb[2].item(), b_nk.float().abs().max().item())
+
+    def test_one_operand_recorded(self):
+        ext = _ext()
+        (ha, sa), (hb, sb) = _state(), _state()
+        a, b, a_mk, _ = _operands(512, 256, 256, 1, seed=5)
+        ext.gemm_amax(a, b, 1, [ha, sa], [], 0, 0, 0, 1.0)
+        ext.gemm_amax(a, b, 1, [], [hb, sb], 0, 0, 0, 1.0)
+        torch.cuda.synchronize()
+        self.assertEqual(ha[0].item(), a_mk.float().abs().max().item())
+        self.assertEqual(ha[1].item(), 0.0)
+        self.assertEqual(hb[0].item(), b.float().abs().max().item())
+
+    def test_applies_and_bad_operands(self):
+        ext = _ext()
+        a = torch.randn(64, 64, device=DEV, dtype=BF16)
+        self.assertTrue(ext.gemm_amax_applies(a, a, 0))
+        self.assertFalse(ext.gemm_amax_applies(a.float(), a.float(), 0))  # float32
+        self.assertFalse(ext.gemm_amax_applies(a[:, :60].contiguous(), a[:, :60].contiguous(), 0))  # K % 8
+        self.assertFalse(ext.gemm_amax_applies(a, a[:56].contiguous(), 0 + 1))  # K (64) vs b's rows (56)
+        flat = torch.randn(64 * 64 + 1, device=DEV, dtype=BF16)
+        misaligned = flat[1:].view(64, 64)
+        self.assertFalse(ext.gemm_amax_applies(misaligned, a, 0))
+        self.assertFalse(ext.gemm_amax_applies(a.t(), a, 0))  # not contiguous
+        with self.assertRaisesRegex(RuntimeError, "a, b: expected contiguous"):
+            ext.gemm_amax(misaligned, a, 0, [], [], 0, 0, 0, 1.0)
+        with self.assertRaisesRegex(RuntimeError, "layout: expected 0, 1 or 2"):
+            ext.gemm_amax(a, a, 3, [], [], 0, 0, 0, 1.0)
+
+
+def _run(x, w, gy, st, layout, mgs=1 << 40, x_grad=True):
+    xx = x.clone().requires_grad_(x_grad)
+    ww = w.clone().requires_grad_()
+    y = torch_ops.fp8_linear(xx, ww, state=st, weight_layout=layout, min_gemm_size=mgs)
+    y.backward(gy)
+    return y.detach(), xx.grad, ww.grad
+
+
+def _data(M, K, N, layout, seed, w_dtype=BF16):
+    x = rand((M, K), BF16, scale=1.0, special=False, seed=seed)
+    w = rand((N, K), torch.float32, scale=0.05, special=False, seed=seed + 1).to(w_dtype)
+    if layout == "in_out":
+        w = w.t().contiguous()
+    gy = rand((M, N), BF16, scale=1e-3, special=False, seed=seed + 2)
+    return x, w, gy
+
+
+class SmallPathOnGemmAmaxTest(parameterized.TestCase):
+    """fp8_linear below min_gemm_size with bf16 x and weight: our GEMMs."""
+
+    @parameterized.product(layout=["out_in", "in_out"], mkn=[(96, 64, 48), (1024, 512, 256), (4096, 1024, 1024)])
+    def test_state_like_fp8_path_and_products(self, layout, mkn):
+        """Fresh data each step: the state equals the FP8 path's bit for bit
+        (x and W recorded in the forward, the gradient in the backward);
+        output and gradients within bf16 rounding of float64."""
+        M, K, N = mkn
+        st = torch_ops.FP8LinearState.create(8, device=DEV)
+        st_ref = torch_ops.FP8LinearState.create(8, device=DEV)
+        for step in range(3):
+            x, w, gy = _data(M, K, N, layout, seed=20 + step)
+            poison()
+            y, dx, dw = _run(x, w, gy, st, layout)
+            _run(x, w, gy, st_ref, layout, mgs=0)
+            for u, v in zip(st.tensors(), st_ref.tensors()):
+                self.assertTrue(torch.equal(u, v), f"state step {step}")
+            w_nk = (w.t() if layout == "in_out" else w).double()
+            self.assertLess(relerr(y, x.double() @ w_nk.t()), 1e-2)
+            self.assertLess(relerr(dx, gy.double() @ w_nk), 1e-2)
+            dw_ref = gy.double().t() @ x.double()
+            self.assertLess(relerr(dw, dw_ref.t() if layout == "in_out" else dw_ref), 1e-2)
+            self.assertEqual(dw.dtype, BF16)
+
+    @parameterized.parameters("out_in", "in_out")
+    def test_forward_records_x_and_weight(self, layout):
+        """As the FP8 path: x's and W's amax in the forward, the gradient's
+        in the backward; a gradient with inf records nothing."""
+        x, w, gy = _data(256, 128, 64, layout, seed=7)
+        st = torch_ops.FP8LinearState.create(4, device=DEV)
+        xx = x.clone().requires_grad_()
+        y = torch_ops.fp8_linear(xx, w.clone().requires_grad_(), state=st, weight_layout=layout,
+                                 min_gemm_size=1 << 40)
+        self.assertEqual(st.input_amax_history[0].item(), x.float().abs().max().item())
+        self.assertEqual(st.kernel_amax_history[0].item(), w.float().abs().max().item())
+        self.assertEqual(float(st.grad_amax_history.abs().max()), 0.0)
+        y.backward(gy)
+        self.assertEqual(st.grad_amax_history[0].item(), gy.float().abs().max().item())
+        g_inf = gy.clone()
+        g_inf[3, 5] = float("inf")
+        h, s = st.grad_amax_history.clone(), st.grad_scale.clone()
+        _run(x, w, g_inf, st, layout)
+        self.assertTrue(torch.equal(st.grad_amax_history, h) and torch.equal(st.grad_scale, s))
+
+    def test_gradient_unsuited_to_the_kernel_and_frozen_input(self):
+        """A gradient the kernel does not take (a view at an odd offset) and
+        an x that needs no gradient: the gradient's amax is recorded by its
+        own launch; the state still equals the FP8 path's."""
+        M, K, N = 512, 256, 128
+        x, w, gy = _data(M, K, N, "out_in", seed=11)
+        buf = torch.empty(M * N + 1, device=DEV, dtype=BF16)
+        odd = buf[1:].view(M, N)
+        odd.copy_(gy)
+        for x_grad in (True, False):
+            st = torch_ops.FP8LinearState.create(8, device=DEV)
+            st_ref = torch_ops.FP8LinearState.create(8, device=DEV)
+            _run(x, w, odd, st, "out_in", x_grad=x_grad)
+            _run(x, w, gy, st_ref, "out_in", mgs=0, x_grad=x_grad)
+            for u, v in zip(st.tensors(), st_ref.tensors()):
+                self.assertTrue(torch.equal(u, v), x_grad)
+
+    def test_cuda_graph_replay_keeps_the_same_state(self):
+        """Captured into a CUDA graph, the small path takes cuBLAS's GEMMs and
+        the state kernel (less GPU time there): the state equals the eager
+        calls' (on our GEMMs) bit for bit, outputs and gradients within bf16
+        rounding (the eager forward splits K over two CTAs here)."""
+        M, K, N = 1024, 2048, 1024
+        x, w, gy = _data(M, K, N, "out_in", seed=13)
+        grads = [gy, 2 * gy, 0.5 * gy]
+        st_e = torch_ops.FP8LinearState.create(8, device=DEV)
+        eager = [_run(x, w, g, st_e, "out_in") for g in grads]
+        st = torch_ops.FP8LinearState.create(8, device=DEV)
+        warm = torch_ops.FP8LinearState.create(8, device=DEV)
+        sx, sw = x.clone().requires_grad_(), w.clone().requires_grad_()
+        sg = torch.empty_like(gy)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                sg.copy_(gy)
+                torch_ops.fp8_linear(sx, sw, state=warm, min_gemm_size=1 << 40).backward(sg)
+        torch.cuda.current_stream().wait_stream(s)
+        sx.grad = sw.grad = None
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            y = torch_ops.fp8_linear(sx, sw, state=st, min_gemm_size=1 << 40)
+            y.backward(sg)
+        for g, (ey, edx, edw) in zip(grads, eager):
+            sx.grad.zero_()
+            sw.grad.zero_()
+            sg.copy_(g)
+            cg.replay()
+            torch.cuda.synchronize()
+            for got, want in ((y, ey), (sx.grad, edx), (sw.grad, edw)):
+                self.assertLess(relerr(got, want), 1e-2)
+        for u, v in zip(st.tensors(), st_e.tensors()):
+            self.assertTrue(torch.equal(u, v))
