@@ -43,6 +43,7 @@
 #include <random>
 #include <vector>
 
+#include "../csrc/sm90_ptx.cuh"
 #include "../csrc/wgmma_bf16.cuh"
 
 #define CK(x)                                                                               \
@@ -54,87 +55,7 @@
     }                                                                                       \
   } while (0)
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_u32(b)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(smem_u32(src)), "r"(c0), "r"(c1)
-               : "memory");
-}
-__device__ __forceinline__ void bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-// Shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle,
-// 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t desc_k128(uint32_t saddr) {
-  uint64_t d = 0;
-  d |= static_cast<uint64_t>((saddr & 0x3FFFF) >> 4);
-  d |= static_cast<uint64_t>(1) << 16;
-  d |= static_cast<uint64_t>(1024 >> 4) << 32;
-  d |= static_cast<uint64_t>(1) << 62;
-  return d;
-}
-
-// The same for an MN-major operand: 64-element (128-byte) rows along MN, one
-// row per k; 64 x 64 TMA boxes `lbo` bytes apart along MN, 8-row groups 1024
-// bytes apart along K.
-__device__ __forceinline__ uint64_t desc_mn128(uint32_t saddr, uint32_t lbo) {
-  uint64_t d = 0;
-  d |= static_cast<uint64_t>((saddr & 0x3FFFF) >> 4);
-  d |= static_cast<uint64_t>(lbo >> 4) << 16;
-  d |= static_cast<uint64_t>(1024 >> 4) << 32;
-  d |= static_cast<uint64_t>(1) << 62;
-  return d;
-}
-
-// |x| maxima of 16-bit floats as unsigned halves (NaN > inf > finite).
-__device__ __forceinline__ uint32_t amax16(uint32_t acc, const uint4& v) {
-  acc = __vmaxu2(acc, v.x & 0x7FFF7FFFu);
-  acc = __vmaxu2(acc, v.y & 0x7FFF7FFFu);
-  acc = __vmaxu2(acc, v.z & 0x7FFF7FFFu);
-  return __vmaxu2(acc, v.w & 0x7FFF7FFFu);
-}
-
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
+using namespace torch_ops::sm90;  // the PTX wrappers
 
 // One amax warp thread's share (thread `at` of 96) of a tile's |x| maxima:
 // WIDE issues all its 16-byte loads before the first max (one round trip;
@@ -205,17 +126,17 @@ __global__ void __launch_bounds__(384, 1)
           if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
           mbar_expect_tx(&full[s], A_BYTES + B_BYTES);
           if (A_MN) {
-            tma_load_2d(sA + s * A_BYTES, &tmA, &full[s], m_blk * BM, kt * BK);
-            tma_load_2d(sA + s * A_BYTES + 8192, &tmA, &full[s], m_blk * BM + 64, kt * BK);
+            tma_load(sA + s * A_BYTES, &tmA, &full[s], m_blk * BM, kt * BK);
+            tma_load(sA + s * A_BYTES + 8192, &tmA, &full[s], m_blk * BM + 64, kt * BK);
           } else {
-            tma_load_2d(sA + s * A_BYTES, &tmA, &full[s], kt * BK, m_blk * BM);
+            tma_load(sA + s * A_BYTES, &tmA, &full[s], kt * BK, m_blk * BM);
           }
           if (B_MN) {
 #pragma unroll
             for (int i = 0; i < BN / 64; ++i)
-              tma_load_2d(sB + s * B_BYTES + i * 8192, &tmB, &full[s], n_blk * BN + i * 64, kt * BK);
+              tma_load(sB + s * B_BYTES + i * 8192, &tmB, &full[s], n_blk * BN + i * 64, kt * BK);
           } else {
-            tma_load_2d(sB + s * B_BYTES, &tmB, &full[s], kt * BK, n_blk * BN);
+            tma_load(sB + s * B_BYTES, &tmB, &full[s], kt * BK, n_blk * BN);
           }
         }
       }
@@ -238,7 +159,7 @@ __global__ void __launch_bounds__(384, 1)
         if (a_max) atomicMax(&amax[0], a_max);
         if (b_max) atomicMax(&amax[1], b_max);
       }
-      if (TMA_STORE && SPLIT == 1) bar_arrive(1, 352);  // the consumers may now reuse the stages
+      if (TMA_STORE && SPLIT == 1) named_arrive(1, 352);  // the consumers may now reuse the stages
     }
     if (SPLIT > 1) {  // the consumers' two cluster barriers
       cluster_sync_all();
@@ -262,11 +183,11 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
       if (A_MN) {  // this warpgroup's 64 rows are the stage's c-th 64 x 64 box
-        Wgmma<BN, 1, 1>::mma(d, desc_mn128(a0 + kk * 2048, 8192), desc_mn128(b0 + kk * 2048, 8192));
+        Wgmma<BN, 1, 1>::mma(d, desc_mn_major(a0 + kk * 2048, 8192), desc_mn_major(b0 + kk * 2048, 8192));
       } else if (B_MN) {
-        Wgmma<BN, 0, 1>::mma(d, desc_k128(a0 + kk * 32), desc_mn128(b0 + kk * 2048, 8192));
+        Wgmma<BN, 0, 1>::mma(d, desc_k_major(a0 + kk * 32), desc_mn_major(b0 + kk * 2048, 8192));
       } else {
-        Wgmma<BN, 0, 0>::mma(d, desc_k128(a0 + kk * 32), desc_k128(b0 + kk * 32));
+        Wgmma<BN, 0, 0>::mma(d, desc_k_major(a0 + kk * 32), desc_k_major(b0 + kk * 32));
       }
     }
     wgmma_commit();
@@ -338,7 +259,7 @@ __global__ void __launch_bounds__(384, 1)
     // Through shared memory (the stages, free once both warpgroups and the
     // amax warps are done with them), 128-byte swizzled 64 x 64 sub-tiles,
     // then one TMA store per sub-tile (clipped at the matrix edges).
-    bar_sync(1, (AMAX && !AMAX_C && SPLIT == 1) ? 352 : 256);
+    named_sync(1, (AMAX && !AMAX_C && SPLIT == 1) ? 352 : 256);
     uint8_t* sC = smem + c * (64 * BN * 2);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
@@ -352,11 +273,11 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    bar_sync(2 + c, 128);
+    named_sync(2 + c, 128);
     if (tid % 128 == 0) {
 #pragma unroll
       for (int sub = 0; sub < BN / 64; ++sub)
-        tma_store_2d(&tmC, sC + sub * 8192, n_blk * BN + sub * 64, m_blk * BM + c * 64);
+        tma_store(&tmC, sC + sub * 8192, n_blk * BN + sub * 64, m_blk * BM + c * 64);
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
       asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     }
