@@ -23,7 +23,10 @@
 // Checks: every variant against cuBLAS on fresh random data (output poisoned
 // with NaN first: every element written; relative error per element) and
 // the two amaxes exact; aligned and ragged shapes. Timing: 15 interleaved
-// rounds of 20 back-to-back calls per variant, median.
+// rounds per variant, median, of 20 back-to-back calls on the stream (where
+// a cuBLAS call's host time exceeds its GEMM's, its column is host time:
+// session 17) and of the same 20 calls replayed from a CUDA graph (GPU
+// time; compare variants there).
 //
 // Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
@@ -567,18 +570,41 @@ int main(int argc, char** argv) {
         {"TT w128 amax", 2, [&] { CT128(st); }},
         {"TT splitk128 amax", 2, [&] { TK128(st); }},
     };
-    std::vector<std::vector<float>> t(vs.size());
-    for (int r = 0; r < rounds; ++r)
-      for (size_t i = 0; i < vs.size(); ++i) t[i].push_back(time_us(vs[i].fn, st, per));
-    float bases[3] = {0, 0, 0};
-    for (size_t i = 0; i < vs.size(); ++i)
-      if (std::strncmp(vs[i].name, "cuBLAS", 6) == 0) bases[vs[i].base] = median(t[i]);
-    const double flop = 2.0 * M * N * K;
+    // Two timings: back-to-back launches on the stream (host time per launch
+    // shows where it exceeds the GEMM's: cuBLAS's does at these sizes), and
+    // the same `per` calls replayed from a CUDA graph (GPU time).
+    std::vector<cudaGraphExec_t> execs(vs.size());
     for (size_t i = 0; i < vs.size(); ++i) {
-      const float m = median(t[i]);
-      std::printf("  %-20s %8.2f us  %6.1f TFLOPS  cuBLAS/this %.3f\n", vs[i].name, m, flop / m * 1e-6,
-                  bases[vs[i].base] / m);
+      cudaGraph_t g;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      for (int p = 0; p < per; ++p) vs[i].fn();
+      CK(cudaStreamEndCapture(st, &g));
+      CK(cudaGraphInstantiate(&execs[i], g, 0));
+      CK(cudaGraphDestroy(g));
+      CK(cudaGraphLaunch(execs[i], st));  // warm-up
     }
+    CK(cudaStreamSynchronize(st));
+    std::vector<std::vector<float>> t(vs.size()), tg(vs.size());
+    for (int r = 0; r < rounds; ++r)
+      for (size_t i = 0; i < vs.size(); ++i) {
+        t[i].push_back(time_us(vs[i].fn, st, per));
+        tg[i].push_back(time_us([&] { CK(cudaGraphLaunch(execs[i], st)); }, st, 1) / per);
+      }
+    float bases[3] = {0, 0, 0}, gbases[3] = {0, 0, 0};
+    for (size_t i = 0; i < vs.size(); ++i)
+      if (std::strncmp(vs[i].name, "cuBLAS", 6) == 0) {
+        bases[vs[i].base] = median(t[i]);
+        gbases[vs[i].base] = median(tg[i]);
+      }
+    const double flop = 2.0 * M * N * K;
+    std::printf("  %-20s %10s %10s %12s %10s %12s\n", "variant", "stream us", "cuBLAS/this", "graph us",
+                "TFLOPS", "cuBLAS/this");
+    for (size_t i = 0; i < vs.size(); ++i) {
+      const float m = median(t[i]), mg = median(tg[i]);
+      std::printf("  %-20s %10.2f %10.3f %12.2f %10.1f %12.3f\n", vs[i].name, m, bases[vs[i].base] / m, mg,
+                  flop / mg * 1e-6, gbases[vs[i].base] / mg);
+    }
+    for (auto exec : execs) CK(cudaGraphExecDestroy(exec));
     CK(cudaFree(A));
     CK(cudaFree(B));
     CK(cudaFree(Bt));
