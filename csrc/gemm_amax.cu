@@ -51,11 +51,15 @@ unsigned* state_workspace(const at::Tensor& like, cudaStream_t stream);  // quan
 namespace {
 
 constexpr int kGemmThreads = 384, kBM = 128, kBK = 64;
+constexpr int kRecordPer = 12;  // history entries per amax warp thread in record_by_amax_warps: H <= 1152
 
 // The state updates of one launch: A's amax (job 0), B's (job 1).
 struct GemmAmaxJobs {
   Finalize f[2];
   int on[2];
+  // 1: the amax warps record (record_by_amax_warps: every history has at
+  // most kRecordPer * 96 entries); 0: block_done by the whole last CTA.
+  int fast;
 };
 
 #ifndef TORCH_OPS_GEMM_AMAX_STUB
@@ -75,6 +79,98 @@ __device__ __forceinline__ uint32_t amax_tile(const uint8_t* tile, int at, uint3
 #pragma unroll
   for (int q = 0; q < kN; ++q) acc = amax16(acc, v[q]);
   return acc;
+}
+
+// The records by the three amax warps alone (96 threads, `at` 0..95), in
+// parallel with the consumers' epilogue: each CTA's warps preload the
+// histories and scales (before any CTA can write them: the writes come
+// after the last CTA's counter update, which every CTA's preload precedes),
+// publish the CTA's amaxes, count the CTA in (one counter for both jobs),
+// and the last CTA's warps record both jobs with what they preloaded: no
+// global load after the counter but the two amaxes. The same results as
+// finalize_one_pass with seed_mode 1 (finalize.cuh), which block_done runs.
+__device__ __forceinline__ void record_by_amax_warps(const GemmAmaxJobs& jobs, unsigned a_bits, unsigned b_bits,
+                                                     int at, unsigned* red) {
+  const int lane = at & 31, w = at >> 5;
+  float v[2][kRecordPer], prev[2];
+  unsigned nonzero[2] = {0u, 0u};
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the state's last writer is done (PDL)
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const Finalize& f = jobs.f[j];
+    prev[j] = 1.0f;
+    if (!jobs.on[j]) continue;
+    prev[j] = *f.prev_scale;
+#pragma unroll
+    for (int k = 0; k < kRecordPer; ++k) {
+      const long long i = at + 96LL * k;
+      v[j][k] = i < f.H ? f.history[i] : 0.f;
+      nonzero[j] |= abs_bits(v[j][k]) ? 1u : 0u;
+    }
+  }
+  // This CTA's amaxes and its count; thread 0 learns whether it is the last.
+  if (at == 0) {
+    unsigned* counter = jobs.on[0] ? jobs.f[0].ws + 1 : jobs.f[1].ws + 1;
+    if (jobs.on[0] && a_bits) atomicMax(jobs.f[0].ws, a_bits);
+    if (jobs.on[1] && b_bits) atomicMax(jobs.f[1].ws, b_bits);
+    unsigned prior;
+    asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(prior) : "l"(counter) : "memory");
+    const bool last = prior == gridDim.x - 1;
+    red[0] = last;
+    if (last) {
+      red[1] = jobs.on[0] ? atomicAdd(jobs.f[0].ws, 0u) : 0u;
+      red[2] = jobs.on[1] ? atomicAdd(jobs.f[1].ws, 0u) : 0u;
+      if (jobs.on[0]) jobs.f[0].ws[0] = 0u;  // the workspace left at zero for the next launch
+      if (jobs.on[1]) jobs.f[1].ws[0] = 0u;
+      *counter = 0u;
+    }
+  }
+  named_sync(5, 96);
+  if (!red[0]) return;
+  const float amax[2] = {__uint_as_float(red[1]), __uint_as_float(red[2])};
+  bool shift[2];
+  unsigned m[2] = {0u, 0u};
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const Finalize& f = jobs.f[j];
+    shift[j] = jobs.on[j] && isfinite(amax[j]) && f.H > 0;
+    if (!jobs.on[j]) continue;
+#pragma unroll
+    for (int k = 0; k < kRecordPer; ++k) {
+      const long long i = at + 96LL * k;
+      if (i < f.H && (!shift[j] || i < f.H - 1)) m[j] = max(m[j], window_bits(v[j][k]));
+    }
+    if (shift[j] && at == 0) m[j] = max(m[j], window_bits(amax[j]));
+    nonzero[j] = __reduce_max_sync(0xFFFFFFFFu, nonzero[j]);
+    m[j] = __reduce_max_sync(0xFFFFFFFFu, m[j]);
+  }
+  // Across the three warps (red[8 + ...]: free here), every read of the
+  // histories done before the writes below.
+  if (lane == 0) {
+    red[8 + w] = nonzero[0], red[11 + w] = nonzero[1], red[14 + w] = m[0], red[17 + w] = m[1];
+  }
+  named_sync(5, 96);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const Finalize& f = jobs.f[j];
+    if (!jobs.on[j]) continue;
+    const unsigned nz = red[8 + 3 * j] | red[9 + 3 * j] | red[10 + 3 * j];
+    const unsigned mm = max(max(red[14 + 3 * j], red[15 + 3 * j]), red[16 + 3 * j]);
+    if (shift[j]) {
+#pragma unroll
+      for (int k = 0; k < kRecordPer; ++k) {
+        const long long i = at + 96LL * k;
+        if (i < f.H - 1) f.history[i + 1] = v[j][k];
+      }
+      if (at == 0) f.history[0] = amax[j];
+    }
+    if (at == 0) {
+      const float used = nz == 0u ? compute_scale(amax[j], prev[j], f.fmax, f.mdiv) : prev[j];
+      *f.scale_used_out = used;
+      const float window = f.algo == 1 ? (f.H > 0 ? (shift[j] ? amax[j] : v[j][0]) : 0.f) : __uint_as_float(mm);
+      *f.scale_state = compute_scale(window, used, f.fmax, f.mdiv);
+    }
+  }
 }
 #endif  // TORCH_OPS_GEMM_AMAX_STUB
 
@@ -159,6 +255,16 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         red[8 + warp] = b_max << 16;
       }
       if (SPLIT == 1) named_arrive(1, 352);  // the consumers may reuse the stages
+      if (jobs.fast) {
+        named_sync(5, 96);
+        const unsigned a = max(max(red[1], red[2]), red[3]), b = max(max(red[9], red[10]), red[11]);
+        named_sync(5, 96);  // red[] is reused below
+        if (SPLIT > 1) {  // the consumers' two cluster barriers first: the record overlaps the epilogue
+          cluster_sync_all();
+          cluster_sync_all();
+        }
+        record_by_amax_warps(jobs, a, b, at, red + 16);
+      }
     }
   } else {
     // The consumers.
@@ -246,13 +352,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
     }
   }
-  if (SPLIT > 1 && wg == 0) {  // the consumers' two cluster barriers
+  if (SPLIT > 1 && wg == 0 && !(jobs.fast && warp > 0)) {  // the consumers' two cluster barriers
     cluster_sync_all();
     cluster_sync_all();
   }
-  // Every thread of every CTA: the amaxes into the state (the last CTA
-  // records them; block_done needs the whole block).
-  if (amax_a || amax_b) {
+  // Otherwise every thread of every CTA: the amaxes into the state (the
+  // last CTA records them; block_done needs the whole block).
+  if (!jobs.fast && (amax_a || amax_b)) {
     __syncthreads();
     const unsigned a = max(max(red[1], red[2]), red[3]), b = max(max(red[9], red[10]), red[11]);
     if (amax_a) block_done(a, jobs.f[0], red + 16, gridDim.x);
@@ -425,6 +531,9 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
       f.scale_used_out = scratch + i;
       jobs.on[i] = 1;
     }
+    jobs.fast = 1;
+    for (int i = 0; i < 2; ++i)
+      if (jobs.on[i] && jobs.f[i].H > 96LL * kRecordPer) jobs.fast = 0;
   }
   // Tiles of 128 x 256 where they fill most of the GPU, else 128 x 128, with
   // split-K over two CTAs where those leave half of it idle and K is long.

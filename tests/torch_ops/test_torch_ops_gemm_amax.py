@@ -82,6 +82,23 @@ class GemmAmaxTest(parameterized.TestCase):
                                     (sb, rsb, "b scale")):
                 self.assertTrue(torch.equal(got, want), f"{name} step {step}: {got} vs {want}")
 
+    @parameterized.product(H=[1, 1152, 1153, 3000], algo=[0, 1])
+    def test_history_lengths(self, H, algo):
+        """Histories up to 1152 entries are recorded by the amax warps, longer
+        ones by the whole last CTA: both as the emulation, both algorithms."""
+        ext = _ext()
+        (ha, sa), (hb, sb) = _state(H), _state(H)
+        (rha, rsa), (rhb, rsb) = _state(H), _state(H)
+        name = "max" if algo == 0 else "most_recent"
+        for step in range(3):
+            a, b, a_mk, b_nk = _operands(512, 256, 384, 0, seed=40 + step)
+            ext.gemm_amax(a, b, 0, [ha, sa], [hb, sb], 0, 1, algo, 1.0)
+            emu.quantize_delayed(a_mk, rha, rsa, E4M3, amax_compute_algo=name)
+            emu.quantize_delayed(b_nk, rhb, rsb, E5M2, amax_compute_algo=name)
+            torch.cuda.synchronize()
+            for got, want in ((ha, rha), (sa, rsa), (hb, rhb), (sb, rsb)):
+                self.assertTrue(torch.equal(got, want), f"H={H} step {step}")
+
     @parameterized.parameters(0, 1, 2)
     def test_non_finite_operand_records_nothing(self, layout):
         """inf / NaN in A: A's history and scale stay as they were; B's record."""
