@@ -20,6 +20,7 @@ int set_tile_version(int version);
 std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int rows, int pdl);
 int set_delayed_prepass(int mode);
 int set_small_record_stream(int mode);
+int set_gemm_amax_in_graphs(int mode);
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt, int algo,
                         double mdiv, bool skip_zero, const at::Tensor* scale_used);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
@@ -154,7 +155,8 @@ int set_delayed_prepass(int64_t mode) {
 // gemm_amax for tests: state_a / state_b empty (not recorded) or
 // (history, scale); fmt_a / fmt_b their FP8 formats (0 E4M3, 1 E5M2).
 at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int64_t layout, const std::vector<at::Tensor>& state_a,
-                     const std::vector<at::Tensor>& state_b, int64_t fmt_a, int64_t fmt_b, int64_t algo, double mdiv) {
+                     const std::vector<at::Tensor>& state_b, int64_t fmt_a, int64_t fmt_b, int64_t algo, double mdiv,
+                     const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(layout >= 0 && layout <= 2, "layout: expected 0, 1 or 2, got ", std::to_string(layout));
   TORCH_CHECK(torch_ops::gemm_amax_applies(a, b, (int)layout),
               "a, b: expected contiguous 16-byte-aligned bfloat16 matrices with rows a multiple of 8 elements and "
@@ -169,8 +171,9 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int64_t layout, c
   }
   if (!state_a.empty()) ra.hist = &state_a[0], ra.scale = &state_a[1];
   if (!state_b.empty()) rb.hist = &state_b[0], rb.scale = &state_b[1];
+  const at::Tensor* bp = (bias.has_value() && bias->defined()) ? &*bias : nullptr;
   return torch_ops::gemm_amax(a, b, (int)layout, state_a.empty() ? nullptr : &ra, state_b.empty() ? nullptr : &rb,
-                              (int)algo, mdiv);
+                              (int)algo, mdiv, bp);
 }
 
 int set_small_record_stream(int64_t mode) {
@@ -205,7 +208,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GEMMs, 2 (default) 1 while a CUDA graph is captured and 0 otherwise): where the small path's state launch "
         "runs in this process -> previous override");
   m.def("gemm_amax", &gemm_amax,
-        "a, b, layout, state_a, state_b, fmt_a, fmt_b, algo, mdiv -> out (bf16 GEMM recording its operands' amax)");
+        "a, b, layout, state_a, state_b, fmt_a, fmt_b, algo, mdiv, bias=None -> out (bf16 GEMM recording its "
+        "operands' amax)",
+        py::arg("a"), py::arg("b"), py::arg("layout"), py::arg("state_a"), py::arg("state_b"), py::arg("fmt_a"),
+        py::arg("fmt_b"), py::arg("algo"), py::arg("mdiv"), py::arg("bias") = py::none());
+  m.def("set_gemm_amax_in_graphs", [](int64_t mode) { return torch_ops::set_gemm_amax_in_graphs((int)mode); },
+        "mode (-1: TORCH_OPS_GEMM_AMAX_GRAPHS, 0: cuBLAS and the state kernel while captured, 1: our GEMMs) -> "
+        "the previous mode");
   m.def("gemm_amax_applies", [](const at::Tensor& a, const at::Tensor& b, int64_t layout) {
     return torch_ops::gemm_amax_applies(a, b, (int)layout);
   });

@@ -77,12 +77,14 @@ void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv, co
 // The small path's bf16 GEMM that records its operands' amax (gemm_amax.cu):
 // layout 0: out (M, N) = a (M, K) . b (N, K)^T; 1: a (M, K) . b (K, N);
 // 2: a (K, M)^T . b (K, N). rec_a / rec_b (null: not recorded; the record's
-// `x` is unused: the operand is the tensor). gemm_amax_applies says where it
+// `x` is unused: the operand is the tensor); `bias`: added to each output
+// row (bf16, contiguous, 4-byte aligned: gemm_amax_bias_applies). gemm_amax_applies says where it
 // runs (bf16, contiguous, 16-byte aligned, rows a multiple of 8 elements,
 // an sm_90 device).
 bool gemm_amax_applies(const at::Tensor& a, const at::Tensor& b, int layout);
+bool gemm_amax_bias_applies(const at::Tensor& bias, long long n, const at::Tensor& like);
 at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const AmaxRecord* rec_a,
-                     const AmaxRecord* rec_b, int algo, double mdiv);
+                     const AmaxRecord* rec_b, int algo, double mdiv, const at::Tensor* bias = nullptr);
 
 // keras_fp8's gradient channel folded into the gradient's scaling state by
 // one block (fold.cu: fold_grad_amax, and torch_ops/fold.py for the meaning

@@ -53,13 +53,15 @@ namespace {
 constexpr int kGemmThreads = 384, kBM = 128, kBK = 64;
 constexpr int kRecordPer = 12;  // history entries per amax warp thread in record_by_amax_warps: H <= 1152
 
-// The state updates of one launch: A's amax (job 0), B's (job 1).
+// The state updates of one launch (A's amax: job 0, B's: job 1) and the
+// bias added to each output row (bf16, N; null: none).
 struct GemmAmaxJobs {
   Finalize f[2];
   int on[2];
   // 1: the amax warps record (record_by_amax_warps: every history has at
   // most kRecordPer * 96 entries); 0: block_done by the whole last CTA.
   int fast;
+  const __nv_bfloat16* bias;
 };
 
 #ifndef TORCH_OPS_GEMM_AMAX_STUB
@@ -332,6 +334,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       uint8_t* sC = smem + c * (64 * BN * 2);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
+        if (jobs.bias) {  // added in float32 before the rounding, as cuBLAS's bias epilogue
+          const int col = n_blk * BN + j * 8 + (lane % 4) * 2;  // even; N is a multiple of 8
+          if (col < N) {
+            const float2 bv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(jobs.bias + col));
+            d[j * 4] += bv.x, d[j * 4 + 1] += bv.y, d[j * 4 + 2] += bv.x, d[j * 4 + 3] += bv.y;
+          }
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = w * 16 + lane / 4 + 8 * h;
@@ -489,12 +498,19 @@ bool gemm_amax_applies(const at::Tensor& a, const at::Tensor& b, int layout) {
   return is_sm90((int)a.get_device());
 }
 
+// Whether gemm_amax adds `bias` to an output of `n` columns like `like`'s.
+bool gemm_amax_bias_applies(const at::Tensor& bias, long long n, const at::Tensor& like) {
+  return bias.scalar_type() == at::kBFloat16 && bias.dim() == 1 && bias.size(0) == n && bias.is_contiguous() &&
+         bias.device() == like.device() && (reinterpret_cast<uintptr_t>(bias.data_ptr()) & 3) == 0;
+}
+
 // out (M, N) bf16 = the product of `a` and `b` in `layout` (see the top of
-// this file); rec_a / rec_b (may be null): record that operand's amax into
-// its history and scale as amax_record_launch would (delayed scaling,
-// seeding an empty history). Callers check gemm_amax_applies first.
+// this file) + `bias` (may be null: none) on each row; rec_a / rec_b (may
+// be null): record that operand's amax into its history and scale as
+// amax_record_launch would (delayed scaling, seeding an empty history).
+// Callers check gemm_amax_applies (and gemm_amax_bias_applies) first.
 at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const AmaxRecord* rec_a,
-                     const AmaxRecord* rec_b, int algo, double mdiv) {
+                     const AmaxRecord* rec_b, int algo, double mdiv, const at::Tensor* bias) {
   TORCH_CHECK(gemm_amax_applies(a, b, layout), "gemm_amax: operands it does not take (see gemm_amax_applies)");
   const int M = (int)(layout == 2 ? a.size(1) : a.size(0));
   const int K = (int)(layout == 2 ? a.size(0) : a.size(1));
@@ -505,6 +521,11 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
   at::Tensor out = at::empty({M, N}, a.options());
 
   GemmAmaxJobs jobs{};
+  if (bias && bias->defined()) {
+    TORCH_CHECK(gemm_amax_bias_applies(*bias, N, a), "bias: expected a contiguous bfloat16 (", std::to_string(N),
+                ",) tensor on the operands' device, 4-byte aligned");
+    jobs.bias = reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr());
+  }
   const AmaxRecord* recs[2] = {rec_a, rec_b};
   if (rec_a || rec_b) {
     unsigned* wsp = state_workspace(a, stream);

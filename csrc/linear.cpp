@@ -444,6 +444,18 @@ at::Tensor small_linear_recorded(const at::Tensor& x2d, const at::Tensor& weight
   return out;
 }
 
+// Whether the small path takes our GEMMs (below) also while captured into a
+// CUDA graph (set_gemm_amax_in_graphs; TORCH_OPS_GEMM_AMAX_GRAPHS, read once,
+// otherwise; default 0: cuBLAS's GEMMs and the state kernel there, which
+// took less GPU time than ours with their records in session 17).
+std::atomic<int> g_gemm_amax_in_graphs{-1};
+bool gemm_amax_in_graphs() {
+  const int o = g_gemm_amax_in_graphs.load(std::memory_order_relaxed);
+  if (o >= 0) return o == 1;
+  static const bool v = env_choice("TORCH_OPS_GEMM_AMAX_GRAPHS", {"0", "1"}, 0) == 1;
+  return v;
+}
+
 // The small path on our own bf16 GEMMs (gemm_amax.cu), which record the
 // amaxes as they read their operands: the forward's GEMM records x's and
 // W's (as the FP8 path's quantizes do, in the forward), dX's the
@@ -462,10 +474,11 @@ struct SmallAmax {
 class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x2d, const at::Tensor& weight,
-                            const SmallAmax& s) {
+                            const c10::optional<at::Tensor>& bias, const SmallAmax& s) {
     (void)weight;  // s.wd holds its values
     const AmaxRecord rx{&x2d, &s.xh, &s.xs, kE4M3}, rw{&s.wd, &s.wh, &s.ws, kE4M3};
-    at::Tensor out = gemm_amax(x2d, s.wd, s.in_out ? 1 : 0, &rx, &rw, s.algo, s.mdiv);
+    const at::Tensor* b = (bias.has_value() && bias->defined()) ? &*bias : nullptr;
+    at::Tensor out = gemm_amax(x2d, s.wd, s.in_out ? 1 : 0, &rx, &rw, s.algo, s.mdiv, b);
     ctx->save_for_backward({x2d, s.wd});
     auto& sd = ctx->saved_data;
     // The grad state is written by the kernels through raw pointers (as in
@@ -485,8 +498,8 @@ class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
     const int grad_fmt = (int)(c & 15), algo = (int)((c >> 4) & 15);
     const bool in_out = (c & 256) != 0;
     const double mdiv = ctx->saved_data["m"].toDouble();
-    at::Tensor dx, dw;
-    if (!grads[0].defined()) return {dx, dw, at::Tensor()};
+    at::Tensor dx, dw, db;
+    if (!grads[0].defined()) return {dx, dw, db, at::Tensor()};
     const at::Tensor g2d = grads[0].contiguous();
     const AmaxRecord rg{&g2d, &gh, &gs, grad_fmt};
     const int dx_layout = in_out ? 0 : 1;  // g . W^T for a (K, N) weight, g . W for (N, K)
@@ -506,7 +519,8 @@ class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
       const at::Tensor xg = x2d.to(g2d.scalar_type());
       dw = (in_out ? xg.t().mm(g2d) : g2d.t().mm(xg)).to(wd.scalar_type());
     }
-    return {dx, dw, at::Tensor()};
+    if (ctx->needs_input_grad(2)) db = g2d.sum(0);  // the bias is in x's dtype, as at::linear's
+    return {dx, dw, db, at::Tensor()};
   }
 };
 
@@ -582,15 +596,17 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     }
   }
   at::Tensor out;
-  // Our GEMMs that record the amaxes (SmallAmaxFn): bf16 x and weight, no
+  // Our GEMMs that record the amaxes (SmallAmaxFn): bf16 x, weight and
   // bias, delayed scaling while training, shapes the kernel takes, sm_90;
   // not while the stream is captured into a CUDA graph: there host time is
   // free and cuBLAS's GEMMs with the state kernel on a side stream take less
   // GPU time than ours with each record finalized in its last CTA (~3.3 us
   // a record, session 17: scripts/gemm_amax_graph_probe.py).
-  const bool small_amax = native_small && record && !bias.has_value() && x2d.scalar_type() == at::kBFloat16 &&
+  const bool small_amax = native_small && record && x2d.scalar_type() == at::kBFloat16 &&
+                          (!bias.has_value() || gemm_amax_bias_applies(*bias, N, x2d)) &&
                           wd.scalar_type() == at::kBFloat16 && gemm_amax_applies(x2d, wd, in_out ? 1 : 0) &&
-                          !stream_capturing(c10::cuda::getCurrentCUDAStream(x2d.get_device()).stream());
+                          (gemm_amax_in_graphs() ||
+                           !stream_capturing(c10::cuda::getCurrentCUDAStream(x2d.get_device()).stream()));
   if (small_amax) {
     SmallAmax s;
     s.wd = wd;
@@ -599,7 +615,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
     s.grad_fmt = (int)grad_fmt;
     s.algo = (int)algo;
     s.mdiv = mdiv;
-    out = SmallAmaxFn::apply(x2d, weight, s);
+    out = SmallAmaxFn::apply(x2d, weight, bias, s);
   } else if (native_small) {
     out = record ? small_linear_recorded(x2d, weight, wd, bias, in_out, state, (int)grad_fmt, (int)algo, mdiv)
                  : small_linear(x2d, weight, bias, in_out);
@@ -630,6 +646,11 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
 }  // namespace
 
 int set_small_record_stream(int mode) { return g_small_record_stream.exchange(mode); }
+
+int set_gemm_amax_in_graphs(int mode) {
+  TORCH_CHECK_VALUE(mode >= -1 && mode <= 1, "mode: expected -1 (the environment), 0 or 1");
+  return g_gemm_amax_in_graphs.exchange(mode);
+}
 
 // Weights quantized ahead of their next training call, all in one call
 // (torch_ops.linear.prequantize_weights: at the end of a training step the

@@ -115,6 +115,22 @@ class GemmAmaxTest(parameterized.TestCase):
             self.assertTrue(torch.equal(ha, h0) and torch.equal(sa, s0), bad)
         self.assertEqual(hb[2].item(), b_nk.float().abs().max().item())
 
+    @parameterized.parameters(0, 1, 2)
+    def test_bias(self, layout):
+        """A bf16 bias added to every row (also with split-K: 1024 x 1024 x
+        2048); a bias of the wrong length, dtype or alignment is refused."""
+        ext = _ext()
+        for M, N, K in ((256, 136, 64), (1024, 1024, 2048)):
+            a, b, a_mk, b_nk = _operands(M, N, K, layout, seed=17)
+            bias = rand((N,), BF16, scale=1.0, special=False, seed=18)
+            poison()
+            out = ext.gemm_amax(a, b, layout, [], [], 0, 0, 0, 1.0, bias)
+            ref = a_mk.double() @ b_nk.double().t() + bias.double()
+            self.assertLess(relerr(out, ref), 1e-2)
+        for bad in (bias[:-8], bias.float(), torch.empty(N + 1, device=DEV, dtype=BF16)[1:]):
+            with self.assertRaisesRegex(RuntimeError, "bias: expected a contiguous bfloat16"):
+                ext.gemm_amax(a, b, layout, [], [], 0, 0, 0, 1.0, bad)
+
     def test_one_operand_recorded(self):
         ext = _ext()
         (ha, sa), (hb, sb) = _state(), _state()
@@ -143,12 +159,13 @@ class GemmAmaxTest(parameterized.TestCase):
             ext.gemm_amax(a, a, 3, [], [], 0, 0, 0, 1.0)
 
 
-def _run(x, w, gy, st, layout, mgs=1 << 40, x_grad=True):
+def _run(x, w, gy, st, layout, mgs=1 << 40, x_grad=True, bias=None):
     xx = x.clone().requires_grad_(x_grad)
     ww = w.clone().requires_grad_()
-    y = torch_ops.fp8_linear(xx, ww, state=st, weight_layout=layout, min_gemm_size=mgs)
+    bb = None if bias is None else bias.clone().requires_grad_()
+    y = torch_ops.fp8_linear(xx, ww, bb, state=st, weight_layout=layout, min_gemm_size=mgs)
     y.backward(gy)
-    return y.detach(), xx.grad, ww.grad
+    return y.detach(), xx.grad, ww.grad, None if bb is None else bb.grad
 
 
 def _data(M, K, N, layout, seed, w_dtype=BF16):
@@ -163,36 +180,45 @@ def _data(M, K, N, layout, seed, w_dtype=BF16):
 class SmallPathOnGemmAmaxTest(parameterized.TestCase):
     """fp8_linear below min_gemm_size with bf16 x and weight: our GEMMs."""
 
-    @parameterized.product(layout=["out_in", "in_out"], mkn=[(96, 64, 48), (1024, 512, 256), (4096, 1024, 1024)])
-    def test_state_like_fp8_path_and_products(self, layout, mkn):
+    @parameterized.product(layout=["out_in", "in_out"], mkn=[(96, 64, 48), (1024, 512, 256), (4096, 1024, 1024)],
+                           bias=[False, True])
+    def test_state_like_fp8_path_and_products(self, layout, mkn, bias):
         """Fresh data each step: the state equals the FP8 path's bit for bit
         (x and W recorded in the forward, the gradient in the backward);
-        output and gradients within bf16 rounding of float64."""
+        output and gradients (the bias's too) within bf16 rounding of
+        float64."""
         M, K, N = mkn
         st = torch_ops.FP8LinearState.create(8, device=DEV)
         st_ref = torch_ops.FP8LinearState.create(8, device=DEV)
         for step in range(3):
             x, w, gy = _data(M, K, N, layout, seed=20 + step)
+            b = rand((N,), BF16, scale=1.0, special=False, seed=30 + step) if bias else None
             poison()
-            y, dx, dw = _run(x, w, gy, st, layout)
-            _run(x, w, gy, st_ref, layout, mgs=0)
+            y, dx, dw, db = _run(x, w, gy, st, layout, bias=b)
+            _run(x, w, gy, st_ref, layout, mgs=0, bias=b)
             for u, v in zip(st.tensors(), st_ref.tensors()):
                 self.assertTrue(torch.equal(u, v), f"state step {step}")
             w_nk = (w.t() if layout == "in_out" else w).double()
-            self.assertLess(relerr(y, x.double() @ w_nk.t()), 1e-2)
+            y_ref = x.double() @ w_nk.t() + (b.double() if bias else 0)
+            self.assertLess(relerr(y, y_ref), 1e-2)
+            if bias:
+                self.assertEqual(db.dtype, BF16)
+                self.assertLess(relerr(db, gy.double().sum(0)), 1e-2)
             self.assertLess(relerr(dx, gy.double() @ w_nk), 1e-2)
             dw_ref = gy.double().t() @ x.double()
             self.assertLess(relerr(dw, dw_ref.t() if layout == "in_out" else dw_ref), 1e-2)
             self.assertEqual(dw.dtype, BF16)
 
-    @parameterized.parameters("out_in", "in_out")
-    def test_forward_records_x_and_weight(self, layout):
-        """As the FP8 path: x's and W's amax in the forward, the gradient's
-        in the backward; a gradient with inf records nothing."""
+    @parameterized.product(layout=["out_in", "in_out"], bias=[False, True])
+    def test_forward_records_x_and_weight(self, layout, bias):
+        """As the FP8 path: x's and W's amax in the forward (the cuBLAS small
+        path records them in the backward: this tells the two apart), the
+        gradient's in the backward; a gradient with inf records nothing."""
         x, w, gy = _data(256, 128, 64, layout, seed=7)
+        b = rand((64,), BF16, scale=1.0, special=False, seed=8).requires_grad_() if bias else None
         st = torch_ops.FP8LinearState.create(4, device=DEV)
         xx = x.clone().requires_grad_()
-        y = torch_ops.fp8_linear(xx, w.clone().requires_grad_(), state=st, weight_layout=layout,
+        y = torch_ops.fp8_linear(xx, w.clone().requires_grad_(), b, state=st, weight_layout=layout,
                                  min_gemm_size=1 << 40)
         self.assertEqual(st.input_amax_history[0].item(), x.float().abs().max().item())
         self.assertEqual(st.kernel_amax_history[0].item(), w.float().abs().max().item())
@@ -222,6 +248,45 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
             for u, v in zip(st.tensors(), st_ref.tensors()):
                 self.assertTrue(torch.equal(u, v), x_grad)
 
+    def test_cuda_graph_on_our_gemms_equals_eager(self):
+        """set_gemm_amax_in_graphs(1): captured calls take our GEMMs too;
+        replays equal the eager calls bit for bit, state included."""
+        ext = _ext()
+        was = ext.set_gemm_amax_in_graphs(1)
+        self.addCleanup(ext.set_gemm_amax_in_graphs, was)
+        with self.assertRaisesRegex(ValueError, "mode: expected -1"):
+            ext.set_gemm_amax_in_graphs(2)
+        M, K, N = 1024, 2048, 1024
+        x, w, gy = _data(M, K, N, "out_in", seed=14)
+        b = rand((N,), BF16, scale=1.0, special=False, seed=15)
+        grads = [gy, 2 * gy, 0.5 * gy]
+        st_e = torch_ops.FP8LinearState.create(8, device=DEV)
+        eager = [_run(x, w, g, st_e, "out_in", bias=b) for g in grads]
+        st = torch_ops.FP8LinearState.create(8, device=DEV)
+        warm = torch_ops.FP8LinearState.create(8, device=DEV)
+        sx, sw, sb = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        sg = torch.empty_like(gy)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                sg.copy_(gy)
+                torch_ops.fp8_linear(sx, sw, sb, state=warm, min_gemm_size=1 << 40).backward(sg)
+        torch.cuda.current_stream().wait_stream(s)
+        sx.grad = sw.grad = sb.grad = None
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            y = torch_ops.fp8_linear(sx, sw, sb, state=st, min_gemm_size=1 << 40)
+            y.backward(sg)
+        for g, want in zip(grads, eager):
+            sg.copy_(g)
+            cg.replay()
+            torch.cuda.synchronize()
+            for got, ref in zip((y, sx.grad, sw.grad, sb.grad), want):
+                self.assertTrue(torch.equal(got, ref))
+        for u, v in zip(st.tensors(), st_e.tensors()):
+            self.assertTrue(torch.equal(u, v))
+
     def test_cuda_graph_replay_keeps_the_same_state(self):
         """Captured into a CUDA graph, the small path takes cuBLAS's GEMMs and
         the state kernel (less GPU time there): the state equals the eager
@@ -231,7 +296,7 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
         x, w, gy = _data(M, K, N, "out_in", seed=13)
         grads = [gy, 2 * gy, 0.5 * gy]
         st_e = torch_ops.FP8LinearState.create(8, device=DEV)
-        eager = [_run(x, w, g, st_e, "out_in") for g in grads]
+        eager = [_run(x, w, g, st_e, "out_in")[:3] for g in grads]
         st = torch_ops.FP8LinearState.create(8, device=DEV)
         warm = torch_ops.FP8LinearState.create(8, device=DEV)
         sx, sw = x.clone().requires_grad_(), w.clone().requires_grad_()
