@@ -18,6 +18,10 @@
 #include <string>
 
 namespace torch_ops {
+// Per-device tables (streams, kernel handles, cached attributes) hold this
+// many devices; larger indices fail with a clear error or skip the cache.
+constexpr int kMaxDevices = 64;
+
 // The index in `choices` of environment variable `name`'s value; `dflt`
 // where it is unset or empty. Any other value warns (naming the variable and
 // the values it accepts) and gives `dflt`. For settings read once.

@@ -412,8 +412,8 @@ CUtensorMap tensor_map(const at::Tensor& t, uint64_t inner, uint64_t outer, uint
 }
 
 int device_sms(int device) {
-  static std::atomic<int> sms[64];
-  if (device < 0 || device >= 64) return 132;
+  static std::atomic<int> sms[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return 132;
   int n = sms[device].load(std::memory_order_relaxed);
   if (n == 0) {
     TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
@@ -427,8 +427,8 @@ void launch(int device, cudaStream_t stream, const CUtensorMap& ta, const CUtens
             int M, int N, int K, const GemmAmaxJobs& jobs) {
   constexpr int kSmem = STAGES * (kBM * kBK * 2 + BN * kBK * 2) + 2 * STAGES * 8 + 1024;
   auto kernel = gemm_amax_kernel<BN, STAGES, LAYOUT, SPLIT>;
-  static std::atomic<bool> configured[64];
-  if (device >= 0 && device < 64 && !configured[device].load(std::memory_order_acquire)) {
+  static std::atomic<bool> configured[kMaxDevices];
+  if (device >= 0 && device < kMaxDevices && !configured[device].load(std::memory_order_acquire)) {
     TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     configured[device].store(true, std::memory_order_release);
   }
@@ -462,8 +462,8 @@ void launch_for(int device, cudaStream_t stream, const CUtensorMap& ta, const CU
 }
 
 bool is_sm90(int device) {
-  static std::atomic<int> cc[64];  // 0: not looked up yet
-  if (device < 0 || device >= 64) return false;
+  static std::atomic<int> cc[kMaxDevices];  // 0: not looked up yet
+  if (device < 0 || device >= kMaxDevices) return false;
   int v = cc[device].load(std::memory_order_relaxed);
   if (v == 0) {
     int major = 0, minor = 0;

@@ -345,7 +345,6 @@ struct SideStream {
   cudaEvent_t fork = nullptr, join = nullptr;
 };
 SideStream& side_stream(int device) {
-  constexpr int kMaxDevices = 64;
   thread_local SideStream side[kMaxDevices];
   TORCH_CHECK(device >= 0 && device < kMaxDevices, "fp8_linear: device index ", std::to_string(device),
               " out of range");

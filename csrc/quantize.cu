@@ -734,8 +734,8 @@ std::atomic<int> g_lean_pdl{-1};  // -1: as TORCH_OPS_PDL says
 bool pdl_enabled(int device) {
   int allowed = g_lean_pdl.load(std::memory_order_relaxed);
   if (allowed < 0) allowed = pdl_from_env();
-  static std::atomic<int> major[64];  // 0: not looked up yet
-  if (allowed == 0 || device < 0 || device >= 64) return false;
+  static std::atomic<int> major[kMaxDevices];  // 0: not looked up yet
+  if (allowed == 0 || device < 0 || device >= kMaxDevices) return false;
   int m = major[device].load(std::memory_order_relaxed);
   if (m == 0) {
     TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
@@ -1129,7 +1129,6 @@ namespace {
 // per step is on the critical host path: this way measured 3-5 us less host
 // time per step than <<<>>> on the H200 host (docs/benchmarks.md, sixth
 // session).
-constexpr int kMaxDevices = 64;
 
 PFN_cuLaunchKernel_v4000 driver_launch_fn() {
   static const PFN_cuLaunchKernel_v4000 fn = [] {

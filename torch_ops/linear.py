@@ -402,9 +402,12 @@ def fp8_linear(
       min_gemm_size: M*N*K below which the GEMMs run in the compute dtype (the
         FP8 state is still updated with the same values); default
         DEFAULT_MIN_GEMM_SIZE (env TORCH_OPS_FP8_MIN_GEMM_SIZE). On the C++
-        fast path, while autograd records (and without a sink), x's and the
-        weight's amaxes are recorded together with the gradient's when the
-        backward runs: one launch per step.
+        fast path, while autograd records (and without a sink): with bf16 x
+        and weight on sm_90, eagerly, our own GEMMs record x's and the
+        weight's amaxes in the forward and the gradient's in the backward,
+        as the FP8 path (docs/torch_ops.md); otherwise x's and the weight's
+        amaxes are recorded together with the gradient's when the backward
+        runs (one launch per step).
     """
     if FAST_PATH:
         out = _fast(x, weight, bias, state, fp8_format, scaling, margin, amax_compute_algo, weight_layout,
