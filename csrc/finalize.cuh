@@ -322,5 +322,34 @@ __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem
   }
 }
 
+// The largest finite value of an FP8 format (0 E4M3, 1 E5M2).
+inline float fmax_of(int fmt) { return fmt == 1 ? 57344.0f : 448.0f; }
+
+// The Finalize of a delayed-scaling record of one amax (no fp8 output): the
+// history and scale of `r`, counters at `ws` (two words, zero before the
+// launch), the scale the record finds (seeded from the amax where the
+// history is empty, else the state's) written to `scale_used`.
+inline Finalize record_finalize(const AmaxRecord& r, unsigned* ws, float* scale_used, int algo, double mdiv) {
+  Finalize f;
+  float* hist = r.hist->data_ptr<float>();
+  float* scale = r.scale->data_ptr<float>();
+  f.ws = ws;
+  f.amax_out = nullptr;
+  f.history = hist;
+  f.H = r.hist->numel();
+  f.scale_state = scale;
+  f.scale_used = scale_used;
+  f.algo = algo;
+  f.fmax = fmax_of(r.fmt);
+  f.mdiv = (float)mdiv;
+  f.skip_zero = 0;
+  f.seed_mode = 1;
+  f.prev_scale = scale;
+  f.seed_history = hist;
+  f.seed_H = f.H;
+  f.scale_used_out = scale_used;
+  return f;
+}
+
 }  // namespace
 }  // namespace torch_ops

@@ -534,22 +534,7 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
     float* scratch = reinterpret_cast<float*>(wsp + 2 + 2 * kMaxRecordJobs);
     for (int i = 0; i < 2; ++i) {
       if (!recs[i]) continue;
-      float* hist = recs[i]->hist->data_ptr<float>();
-      float* scale = recs[i]->scale->data_ptr<float>();
-      Finalize& f = jobs.f[i];
-      f.ws = wsp + 2 + 2 * i;
-      f.history = hist;
-      f.H = recs[i]->hist->numel();
-      f.scale_state = scale;
-      f.scale_used = scratch + i;
-      f.algo = algo;
-      f.fmax = recs[i]->fmt == 1 ? 57344.0f : 448.0f;
-      f.mdiv = (float)mdiv;
-      f.seed_mode = 1;
-      f.prev_scale = scale;
-      f.seed_history = hist;
-      f.seed_H = f.H;
-      f.scale_used_out = scratch + i;
+      jobs.f[i] = record_finalize(*recs[i], wsp + 2 + 2 * i, scratch + i, algo, mdiv);
       jobs.on[i] = 1;
     }
     jobs.fast = 1;

@@ -131,6 +131,14 @@ struct Extra {
   at::Tensor qx, qw_fwd, sx, sw, qxt, qw_bwd, grad_hist, grad_scale, token;
 };
 
+// The small path's weight gradient in the gradient's dtype, in the weight's
+// own layout (no transposing copy, and the gradient obeys AccumulateGrad's
+// layout contract): in_out (K, N) = x^T g, out_in (N, K) = g^T x.
+at::Tensor small_weight_grad(const at::Tensor& x2d, const at::Tensor& g2d, bool in_out, at::ScalarType w_dtype) {
+  const at::Tensor xg = x2d.to(g2d.scalar_type());
+  return (in_out ? xg.t().mm(g2d) : g2d.t().mm(xg)).to(w_dtype);
+}
+
 class LinearFn : public torch::autograd::Function<LinearFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x2d, const at::Tensor& weight,
@@ -203,12 +211,7 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
         quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, false, record_grad, false, dsink, &emit);
       if (w_nk.scalar_type() != g2d.scalar_type()) w_nk = w_nk.to(g2d.scalar_type());
       if (need_dx) dx = g2d.mm(w_nk);
-      if (need_dw) {
-        // In the weight's own layout (no transposing copy, and the gradient
-        // obeys AccumulateGrad's layout contract): in_out (K, N) = x^T g.
-        const at::Tensor xg = x2d.to(g2d.scalar_type());
-        dw = (in_out ? xg.t().mm(g2d) : g2d.t().mm(xg)).to(w_dtype);
-      }
+      if (need_dw) dw = small_weight_grad(x2d, g2d, in_out, w_dtype);
     } else if (need_dx || need_dw || record_grad || has_sink) {
       Q qg = quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, need_dw, record_grad, need_dx, dsink,
                    &emit);
@@ -513,11 +516,7 @@ class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
       }
     }
     if (!recorded) amax_record_launch(&rg, 1, algo, mdiv);
-    if (ctx->needs_input_grad(1)) {
-      // In the weight's own layout: in_out (K, N) = x^T g, out_in (N, K) = g^T x.
-      const at::Tensor xg = x2d.to(g2d.scalar_type());
-      dw = (in_out ? xg.t().mm(g2d) : g2d.t().mm(xg)).to(wd.scalar_type());
-    }
+    if (ctx->needs_input_grad(1)) dw = small_weight_grad(x2d, g2d, in_out, wd.scalar_type());
     if (ctx->needs_input_grad(2)) db = g2d.sum(0);  // the bias is in x's dtype, as at::linear's
     return {dx, dw, db, at::Tensor()};
   }

@@ -932,8 +932,6 @@ unsigned* workspace(const at::Tensor& like, cudaStream_t stream) {
   return memo.ws;
 }
 
-float fmax_of(int fmt) { return fmt == 1 ? 57344.0f : 448.0f; }
-
 template <typename Fn>
 void dispatch_in(const at::Tensor& x, Fn&& fn) {
   switch (x.scalar_type()) {
@@ -1190,24 +1188,7 @@ void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv_d, 
     j.dtype = t == at::kBFloat16 ? 0 : (t == at::kHalf ? 1 : 2);
     j.vec = (reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0 ? 1 : 0;
     nmax_bytes = std::max(nmax_bytes, j.n * (long long)x.element_size());
-    float* hist = recs[i].hist->data_ptr<float>();
-    float* scale = recs[i].scale->data_ptr<float>();
-    Finalize& f = j.f;
-    f.ws = wsp + 2 + 2 * i;
-    f.amax_out = nullptr;
-    f.history = hist;
-    f.H = recs[i].hist->numel();
-    f.scale_state = scale;
-    f.scale_used = scratch + i;
-    f.algo = algo;
-    f.fmax = fmax_of(recs[i].fmt);
-    f.mdiv = (float)mdiv_d;
-    f.skip_zero = 0;
-    f.seed_mode = 1;
-    f.prev_scale = scale;
-    f.seed_history = hist;
-    f.seed_H = f.H;
-    f.scale_used_out = scratch + i;
+    j.f = record_finalize(recs[i], wsp + 2 + 2 * i, scratch + i, algo, mdiv_d);
   }
   if (fold) jobs.j[0].f.extras.fold = *fold;  // block_done's last block folds
   // About eight 16-byte loads per thread for the largest tensor, at most two

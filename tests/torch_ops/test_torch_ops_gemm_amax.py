@@ -157,6 +157,15 @@ class GemmAmaxTest(parameterized.TestCase):
             ext.gemm_amax(misaligned, a, 0, [], [], 0, 0, 0, 1.0)
         with self.assertRaisesRegex(RuntimeError, "layout: expected 0, 1 or 2"):
             ext.gemm_amax(a, a, 3, [], [], 0, 0, 0, 1.0)
+        h, sc = _state()
+        with self.assertRaisesRegex(RuntimeError, r"state_a, state_b: expected \[\] or \[history, scale\]"):
+            ext.gemm_amax(a, a, 0, [h], [], 0, 0, 0, 1.0)
+        with self.assertRaisesRegex(RuntimeError, "state history: expected float32"):
+            ext.gemm_amax(a, a, 0, [h.double(), sc], [], 0, 0, 0, 1.0)
+        with self.assertRaisesRegex(RuntimeError, "state scale: expected one element"):
+            ext.gemm_amax(a, a, 0, [h, h], [], 0, 0, 0, 1.0)
+        with self.assertRaisesRegex(RuntimeError, "state history: expected device"):
+            ext.gemm_amax(a, a, 0, [h.cpu(), sc], [], 0, 0, 0, 1.0)
 
 
 def _run(x, w, gy, st, layout, mgs=1 << 40, x_grad=True, bias=None):
