@@ -487,7 +487,7 @@ class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
     // LinearFn): kept without version checks.
     sd["gs"] = s.gs;
     sd["gh"] = s.gh;
-    sd["c"] = (int64_t)(s.grad_fmt | (s.algo << 4) | (s.in_out ? 256 : 0));
+    sd["c"] = (int64_t)(s.grad_fmt | (s.algo << 4) | (s.in_out ? 256 : 0) | (b ? 512 : 0));
     sd["m"] = s.mdiv;
     return out;
   }
@@ -498,7 +498,7 @@ class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
     const at::Tensor gs = ctx->saved_data["gs"].toTensor(), gh = ctx->saved_data["gh"].toTensor();
     const int64_t c = ctx->saved_data["c"].toInt();
     const int grad_fmt = (int)(c & 15), algo = (int)((c >> 4) & 15);
-    const bool in_out = (c & 256) != 0;
+    const bool in_out = (c & 256) != 0, has_bias = (c & 512) != 0;
     const double mdiv = ctx->saved_data["m"].toDouble();
     at::Tensor dx, dw, db;
     if (!grads[0].defined()) return {dx, dw, db, at::Tensor()};
@@ -517,7 +517,9 @@ class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
     }
     if (!recorded) amax_record_launch(&rg, 1, algo, mdiv);
     if (ctx->needs_input_grad(1)) dw = small_weight_grad(x2d, g2d, in_out, wd.scalar_type());
-    if (ctx->needs_input_grad(2)) db = g2d.sum(0);  // the bias is in x's dtype, as at::linear's
+    // needs_input_grad counts the defined tensor inputs only: index 2 exists
+    // only with a bias. The bias is in x's dtype, as at::linear's.
+    if (has_bias && ctx->needs_input_grad(2)) db = g2d.sum(0);
     return {dx, dw, db, at::Tensor()};
   }
 };

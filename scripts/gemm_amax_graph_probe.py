@@ -42,6 +42,7 @@ def main():
             "fwd cuBLAS (x @ W^T)": lambda: torch.mm(x, w.t()),
             "fwd ours, no record": lambda: ext.gemm_amax(x, w, 0, [], [], 0, 0, 0, 1.0),
             "fwd ours, record x": lambda: ext.gemm_amax(x, w, 0, st(0), [], 0, 0, 0, 1.0),
+            "fwd ours, record W": lambda: ext.gemm_amax(x, w, 0, [], st(1), 0, 0, 0, 1.0),
             "fwd ours, record x and W": lambda: ext.gemm_amax(x, w, 0, st(0), st(1), 0, 0, 0, 1.0),
             "dX cuBLAS (g @ W)": lambda: torch.mm(g, w),
             "dX ours, no record": lambda: ext.gemm_amax(g, w, 1, [], [], 1, 0, 0, 1.0),
