@@ -213,8 +213,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("a"), py::arg("b"), py::arg("layout"), py::arg("state_a"), py::arg("state_b"), py::arg("fmt_a"),
         py::arg("fmt_b"), py::arg("algo"), py::arg("mdiv"), py::arg("bias") = py::none());
   m.def("set_gemm_amax_in_graphs", [](int64_t mode) { return torch_ops::set_gemm_amax_in_graphs((int)mode); },
-        "mode (-1: TORCH_OPS_GEMM_AMAX_GRAPHS, 0: cuBLAS and the state kernel while captured, 1: our GEMMs) -> "
-        "the previous mode");
+        "mode (-1: TORCH_OPS_GEMM_AMAX_GRAPHS, 0: cuBLAS and the state kernel while captured, 1: our GEMMs, "
+        "2: ours where the forward takes wide tiles) -> the previous mode");
   m.def("gemm_amax_applies", [](const at::Tensor& a, const at::Tensor& b, int64_t layout) {
     return torch_ops::gemm_amax_applies(a, b, (int)layout);
   });

@@ -87,6 +87,7 @@ void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv, co
 // an sm_90 device).
 bool gemm_amax_applies(const at::Tensor& a, const at::Tensor& b, int layout);
 bool gemm_amax_bias_applies(const at::Tensor& bias, long long n, const at::Tensor& like);
+bool gemm_amax_wide(long long M, long long N, int device);
 at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const AmaxRecord* rec_a,
                      const AmaxRecord* rec_b, int algo, double mdiv, const at::Tensor* bias = nullptr);
 

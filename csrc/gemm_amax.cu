@@ -14,10 +14,16 @@
 // stages) and three amax warps; warpgroups 1 and 2 each compute 64 rows x
 // BN columns with wgmma from 128-byte-swizzled shared memory; the epilogue
 // goes through swizzled shared memory and TMA stores (clipped at the edges).
-// The amax work is spread over the CTAs: the A tile (row block m, k step s)
-// is reduced by the CTA with n == s % n_tiles, the B tile (column block n,
-// k step s) by the CTA with m == s % m_tiles: every element is read once
-// more from shared memory in all. 16-bit |x| maxima as packed unsigned
+// The amax work is spread over the CTAs: a row block's A tiles over the
+// CTAs of that row (ceil(k steps / n_tiles) each), a column block's B tiles
+// over the CTAs of that column, every element read once more from shared
+// memory in all; each CTA's k loop is rotated so that its amax tiles come
+// first, and the amax warps count the CTA in (and the last CTA records)
+// while the consumers still multiply: the record's chain of atomics is off
+// the kernel's tail (the record cost 1.9-2.6 us of graph replay at the
+// small shapes when it came after the last k step, session 18; the sum
+// order of the k steps changes with the rotation, not the result's
+// determinism). 16-bit |x| maxima as packed unsigned
 // halves (NaN > inf > finite, as the quantize kernels). Split-K over a
 // two-CTA cluster (partial sums added through distributed shared memory)
 // where the output has too few tiles to fill the GPU.
@@ -193,6 +199,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint8_t* sB = smem + STAGES * A_BYTES;
   uint64_t* full = reinterpret_cast<uint64_t*>(sB + STAGES * B_BYTES);
   uint64_t* empty = full + STAGES;
+  uint64_t* amax_free = empty + STAGES;
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
   const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + kBM - 1) / kBM;
@@ -202,13 +209,29 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int kt_all = (K + kBK - 1) / kBK, per_split = (kt_all + SPLIT - 1) / SPLIT;
   const int k0 = rank * per_split, KL = max(0, min(kt_all, k0 + per_split) - k0);
   const bool amax_a = jobs.on[0] != 0, amax_b = jobs.on[1] != 0;
+  // The amax tiles, all in the first positions of each CTA's k loop, so
+  // that the amax warps finish (and the last CTA records) while the
+  // consumers still multiply. Position p of the loop is k step
+  // k0 + (p + rot) % KL. A's tile (m_blk, kt) is read at positions
+  // p < a_count by the CTAs of its row: the n_tiles CTAs take ca steps each
+  // (n_blk * ca + p < KL); B's tile (n_blk, kt) likewise by the CTAs of its
+  // column, cb steps each. With rot = m_blk * cb + n_blk * ca each operand's
+  // tiles are covered exactly once (the other term is a shift common to the
+  // row / column). The producer waits for the amax warps (amax_free) only
+  // at positions p < held; elsewhere the consumers alone release a stage.
+  const int ca = (KL + n_tiles - 1) / n_tiles, cb = (KL + m_tiles - 1) / m_tiles;
+  const int a_count = amax_a ? max(0, min(ca, KL - n_blk * ca)) : 0;
+  const int b_count = amax_b ? max(0, min(cb, KL - m_blk * cb)) : 0;
+  const int held = max(a_count, b_count);
+  const int rot = KL > 0 ? (int)(((long long)(amax_b ? m_blk * cb : 0) + (amax_a ? n_blk * ca : 0)) % KL) : 0;
 
   if (tid == 0) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmA)) : "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmB)) : "memory");
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8 + 3);  // the consumer warps and the amax warps release a stage
+      mbar_init(&empty[s], 8);      // the consumer warps release a stage
+      mbar_init(&amax_free[s], 3);  // and, at positions p < held, the amax warps
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -220,8 +243,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       if (lane == 0) {
         asm volatile("griddepcontrol.wait;" ::: "memory");  // the operands' producer is done (PDL)
         for (int i = 0; i < KL; ++i) {
-          const int s = i % STAGES, kt = k0 + i;
+          const int s = i % STAGES, kt = k0 + (i + rot) % KL;
           if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
+          if (i >= STAGES && i - STAGES < held) mbar_wait(&amax_free[s], ((i / STAGES) + 1) & 1);
           mbar_expect_tx(&full[s], A_BYTES + B_BYTES);
           if (kAMN) {
             tma_load(sA + s * A_BYTES, &tmA, &full[s], m_blk * kBM, kt * kBK);
@@ -239,16 +263,18 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         }
       }
     } else {
-      // The amax warps: every stage passes through them (they release it).
+      // The amax warps: the positions p < held pass through them (they
+      // release those stages too); then they record while the consumers
+      // still multiply.
       const int at = tid - 32;  // 0..95
       uint32_t a_max = 0, b_max = 0;
-      for (int i = 0; i < KL; ++i) {
-        const int s = i % STAGES, kt = k0 + i;
+      for (int i = 0; i < held; ++i) {
+        const int s = i % STAGES;
         mbar_wait(&full[s], (i / STAGES) & 1);
-        if (amax_a && kt % n_tiles == n_blk) a_max = amax_tile<A_BYTES>(sA + s * A_BYTES, at, a_max);
-        if (amax_b && kt % m_tiles == m_blk) b_max = amax_tile<B_BYTES>(sB + s * B_BYTES, at, b_max);
+        if (i < a_count) a_max = amax_tile<A_BYTES>(sA + s * A_BYTES, at, a_max);
+        if (i < b_count) b_max = amax_tile<B_BYTES>(sB + s * B_BYTES, at, b_max);
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
+        if (lane == 0) mbar_arrive(&amax_free[s]);
       }
       a_max = __reduce_max_sync(0xFFFFFFFFu, max(a_max & 0xFFFFu, a_max >> 16));
       b_max = __reduce_max_sync(0xFFFFFFFFu, max(b_max & 0xFFFFu, b_max >> 16));
@@ -261,11 +287,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         named_sync(5, 96);
         const unsigned a = max(max(red[1], red[2]), red[3]), b = max(max(red[9], red[10]), red[11]);
         named_sync(5, 96);  // red[] is reused below
-        if (SPLIT > 1) {  // the consumers' two cluster barriers first: the record overlaps the epilogue
-          cluster_sync_all();
+        // The consumers' first cluster barrier (this CTA's stages are free)
+        // arrived at before the record, waited for after it.
+        if (SPLIT > 1) cluster_arrive();
+        record_by_amax_warps(jobs, a, b, at, red + 16);
+        if (SPLIT > 1) {
+          cluster_wait();
           cluster_sync_all();
         }
-        record_by_amax_warps(jobs, a, b, at, red + 16);
       }
     }
   } else {
@@ -425,7 +454,7 @@ int device_sms(int device) {
 template <int BN, int STAGES, int LAYOUT, int SPLIT>
 void launch(int device, cudaStream_t stream, const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc,
             int M, int N, int K, const GemmAmaxJobs& jobs) {
-  constexpr int kSmem = STAGES * (kBM * kBK * 2 + BN * kBK * 2) + 2 * STAGES * 8 + 1024;
+  constexpr int kSmem = STAGES * (kBM * kBK * 2 + BN * kBK * 2) + 3 * STAGES * 8 + 1024;
   auto kernel = gemm_amax_kernel<BN, STAGES, LAYOUT, SPLIT>;
   static std::atomic<bool> configured[kMaxDevices];
   if (device >= 0 && device < kMaxDevices && !configured[device].load(std::memory_order_acquire)) {
@@ -498,6 +527,13 @@ bool gemm_amax_applies(const at::Tensor& a, const at::Tensor& b, int layout) {
   return is_sm90((int)a.get_device());
 }
 
+// Whether gemm_amax's output of (M, N) takes tiles of 128 x 256: where those
+// fill most of the GPU (three quarters of its SMs or more).
+bool gemm_amax_wide(long long M, long long N, int device) {
+  const long long tiles256 = ((M + 127) / 128) * ((N + 255) / 256);
+  return tiles256 * 4 >= 3LL * device_sms(device);
+}
+
 // Whether gemm_amax adds `bias` to an output of `n` columns like `like`'s.
 bool gemm_amax_bias_applies(const at::Tensor& bias, long long n, const at::Tensor& like) {
   return bias.scalar_type() == at::kBFloat16 && bias.dim() == 1 && bias.size(0) == n && bias.is_contiguous() &&
@@ -544,9 +580,8 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
   // Tiles of 128 x 256 where they fill most of the GPU, else 128 x 128, with
   // split-K over two CTAs where those leave half of it idle and K is long.
   const int sms = device_sms(device);
-  const long long tiles256 = (long long)((M + 127) / 128) * ((N + 255) / 256);
   const long long tiles128 = (long long)((M + 127) / 128) * ((N + 127) / 128);
-  const int bn = tiles256 * 4 >= 3LL * sms ? 256 : 128;
+  const int bn = gemm_amax_wide(M, N, device) ? 256 : 128;
   const int split = (bn == 128 && tiles128 * 2 < sms && (K + 63) / 64 >= 16) ? 2 : 1;
 
   const CUtensorMap ta = layout == 2 ? tensor_map(a, M, K, 64, 64) : tensor_map(a, K, M, 64, 128);

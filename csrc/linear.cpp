@@ -20,6 +20,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -447,15 +448,23 @@ at::Tensor small_linear_recorded(const at::Tensor& x2d, const at::Tensor& weight
 }
 
 // Whether the small path takes our GEMMs (below) also while captured into a
-// CUDA graph (set_gemm_amax_in_graphs; TORCH_OPS_GEMM_AMAX_GRAPHS, read once,
-// otherwise; default 0: cuBLAS's GEMMs and the state kernel there, which
-// took less GPU time than ours with their records in session 17).
+// CUDA graph, for a forward output of (M, N) on `device`
+// (set_gemm_amax_in_graphs; otherwise TORCH_OPS_GEMM_AMAX_GRAPHS, read
+// once): 0 never (cuBLAS's GEMMs and the state kernel on a side stream),
+// 1 always, 2 (auto, the default) where the forward takes gemm_amax's wide
+// tiles. In graph replay host time is free and what counts is GPU time:
+// with wide tiles our GEMMs with their records took less than cuBLAS's and
+// the state kernel (4096x1024x1024: 56.5 vs 59.4 us a step), with narrower
+// ones more (1024x2048x1024: 41.0 vs 36.3 us; session 18,
+// scripts/gemm_amax_graph_probe.py).
 std::atomic<int> g_gemm_amax_in_graphs{-1};
-bool gemm_amax_in_graphs() {
-  const int o = g_gemm_amax_in_graphs.load(std::memory_order_relaxed);
-  if (o >= 0) return o == 1;
-  static const bool v = env_choice("TORCH_OPS_GEMM_AMAX_GRAPHS", {"0", "1"}, 0) == 1;
-  return v;
+bool gemm_amax_in_graphs(long long M, long long N, int device) {
+  int mode = g_gemm_amax_in_graphs.load(std::memory_order_relaxed);
+  if (mode < 0) {
+    static const int env = std::array<int, 3>{2, 0, 1}[env_choice("TORCH_OPS_GEMM_AMAX_GRAPHS", {"auto", "0", "1"}, 0)];
+    mode = env;
+  }
+  return mode == 1 || (mode == 2 && gemm_amax_wide(M, N, device));
 }
 
 // The small path on our own bf16 GEMMs (gemm_amax.cu), which record the
@@ -598,14 +607,13 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   at::Tensor out;
   // Our GEMMs that record the amaxes (SmallAmaxFn): bf16 x, weight and
   // bias, delayed scaling while training, shapes the kernel takes, sm_90;
-  // not while the stream is captured into a CUDA graph: there host time is
-  // free and cuBLAS's GEMMs with the state kernel on a side stream take less
-  // GPU time than ours with each record finalized in its last CTA (~3.3 us
-  // a record, session 17: scripts/gemm_amax_graph_probe.py).
+  // while the stream is captured into a CUDA graph, where
+  // gemm_amax_in_graphs says (elsewhere cuBLAS's GEMMs with the state
+  // kernel on a side stream take less GPU time).
   const bool small_amax = native_small && record && x2d.scalar_type() == at::kBFloat16 &&
                           (!bias.has_value() || gemm_amax_bias_applies(*bias, N, x2d)) &&
                           wd.scalar_type() == at::kBFloat16 && gemm_amax_applies(x2d, wd, in_out ? 1 : 0) &&
-                          (gemm_amax_in_graphs() ||
+                          (gemm_amax_in_graphs(x2d.size(0), N, (int)x2d.get_device()) ||
                            !stream_capturing(c10::cuda::getCurrentCUDAStream(x2d.get_device()).stream()));
   if (small_amax) {
     SmallAmax s;
@@ -648,7 +656,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
 int set_small_record_stream(int mode) { return g_small_record_stream.exchange(mode); }
 
 int set_gemm_amax_in_graphs(int mode) {
-  TORCH_CHECK_VALUE(mode >= -1 && mode <= 1, "mode: expected -1 (the environment), 0 or 1");
+  TORCH_CHECK_VALUE(mode >= -1 && mode <= 2, "mode: expected -1 (the environment), 0, 1 or 2 (auto), got ",
+                    std::to_string(mode));
   return g_gemm_amax_in_graphs.exchange(mode);
 }
 

@@ -257,15 +257,18 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
             for u, v in zip(st.tensors(), st_ref.tensors()):
                 self.assertTrue(torch.equal(u, v), x_grad)
 
-    def test_cuda_graph_on_our_gemms_equals_eager(self):
-        """set_gemm_amax_in_graphs(1): captured calls take our GEMMs too;
-        replays equal the eager calls bit for bit, state included."""
+    @parameterized.parameters((1, 1024, 2048, 1024, True), (2, 4096, 1024, 1024, True),
+                              (2, 1024, 2048, 1024, False))
+    def test_cuda_graph_on_our_gemms_equals_eager(self, mode, M, K, N, ours):
+        """set_gemm_amax_in_graphs(1), and 2 (auto) where the forward takes
+        wide tiles: captured calls take our GEMMs too; replays equal the
+        eager calls bit for bit, state included. Auto elsewhere: cuBLAS's
+        GEMMs (outputs close), the same state bit for bit."""
         ext = _ext()
-        was = ext.set_gemm_amax_in_graphs(1)
+        was = ext.set_gemm_amax_in_graphs(mode)
         self.addCleanup(ext.set_gemm_amax_in_graphs, was)
         with self.assertRaisesRegex(ValueError, "mode: expected -1"):
-            ext.set_gemm_amax_in_graphs(2)
-        M, K, N = 1024, 2048, 1024
+            ext.set_gemm_amax_in_graphs(3)
         x, w, gy = _data(M, K, N, "out_in", seed=14)
         b = rand((N,), BF16, scale=1.0, special=False, seed=15)
         grads = [gy, 2 * gy, 0.5 * gy]
@@ -292,7 +295,10 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
             cg.replay()
             torch.cuda.synchronize()
             for got, ref in zip((y, sx.grad, sw.grad, sb.grad), want):
-                self.assertTrue(torch.equal(got, ref))
+                if ours:
+                    self.assertTrue(torch.equal(got, ref))
+                else:
+                    self.assertLess(relerr(got, ref), 1e-2)
         for u, v in zip(st.tensors(), st_e.tensors()):
             self.assertTrue(torch.equal(u, v))
 
