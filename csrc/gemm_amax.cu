@@ -5,9 +5,10 @@
 // Finalize / block_done as the quantize kernels: finalize.cuh). So the small
 // path keeps the FP8 state warm without reading x, W and the gradient again
 // and without a state launch of its own (docs/torch_ops.md). Its GPU time
-// is ~0.95x of cuBLAS's (CUDA-graph replay, no records); eagerly, where
-// these shapes are host-bound, its shorter host path makes the small path
-// 1.12-1.20x of nn.Linear (docs/benchmarks.md, session 17).
+// is 0.90-0.94x of cuBLAS's at 4096x1024x1024 and 0.62-0.93x at
+// 1024x2048x1024 (CUDA-graph replay, no records; session 18); eagerly,
+// where these shapes are host-bound, its shorter host path makes the small
+// path 1.13-1.25x of nn.Linear (docs/benchmarks.md, session 18).
 //
 // Hopper only (sm_90a: TMA, wgmma, clusters). 384 threads per CTA:
 // warpgroup 0 is the producer (one lane issues the TMA loads into a ring of

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call for the branch next/small-amax-combined (session 17's
-# untested work: the records by the amax warps, the bias, our GEMMs in CUDA
-# graphs behind TORCH_OPS_GEMM_AMAX_GRAPHS). Run from the repo root on the GPU
+# One device call for the small path on our GEMMs (csrc/gemm_amax.cu): the
+# build, its tests, the graph probe, linear.py at the small shapes with the
+# default TORCH_OPS_GEMM_AMAX_GRAPHS and with 1, the full suite (written
+# for session 17's branch, used in session 18). Run from the repo root on the GPU
 # machine after installing the wheels (.whl, ../shared/tools/gpu-wheels.sh):
 #   bash scripts/gpu_small_amax.sh
 # Logs under $OUT/x (one file per step).
