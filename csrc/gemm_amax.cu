@@ -91,7 +91,7 @@ __device__ __forceinline__ uint32_t amax_tile(const uint8_t* tile, int at, uint3
 }
 
 // The records by the three amax warps alone (96 threads, `at` 0..95), in
-// parallel with the consumers' epilogue: each CTA's warps preload the
+// parallel with the consumers' k loop (or epilogue): each CTA's warps preload the
 // histories and scales (before any CTA can write them: the writes come
 // after the last CTA's counter update, which every CTA's preload precedes),
 // publish the CTA's amaxes, count the CTA in (one counter for both jobs),
