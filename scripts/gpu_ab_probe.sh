@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The graph probe (scripts/gemm_amax_graph_probe.py) for two trees side by
+# side on one machine: the working tree ("new") and an older one ("old"),
+# built in parallel into separate extension directories, run interleaved
+# old/new/old/new (session 18, call 8). Prepare the old tree here first:
+#   mkdir _old && git archive REV torch_ops csrc benchmarks pyproject.toml | tar x -C _old
+# then on the GPU machine, after installing the wheels into /tmp/site:
+#   bash scripts/gpu_ab_probe.sh _old
+# Also runs the new tree's gemm_amax tests. Logs under $OUT/x.
+OLD=${1:?usage: gpu_ab_probe.sh OLD_TREE}
+ROOT=$PWD
+OUT=${OUT:-/tmp/out}/x
+mkdir -p "$OUT"
+export MAX_JOBS=8
+(cd "$OLD" && PYTHONPATH=/tmp/site:$ROOT/$OLD TORCH_EXTENSIONS_DIR=/tmp/ext_old timeout 200 python3 -m torch_ops build \
+  > "$OUT/build_old.txt" 2>&1; echo "old build rc=$?") &
+(PYTHONPATH=/tmp/site:$ROOT TORCH_EXTENSIONS_DIR=/tmp/ext_new timeout 200 python3 -m torch_ops build \
+  > "$OUT/build_new.txt" 2>&1; echo "new build rc=$?") &
+wait
+for r in 1 2; do
+  (cd "$OLD" && PYTHONPATH=/tmp/site:$ROOT/$OLD TORCH_EXTENSIONS_DIR=/tmp/ext_old timeout 60 \
+    python3 "$ROOT/scripts/gemm_amax_graph_probe.py" 2>&1 | grep -v "Warn\|return Var" > "$OUT/old$r.txt")
+  PYTHONPATH=/tmp/site:$ROOT TORCH_EXTENSIONS_DIR=/tmp/ext_new timeout 60 \
+    python3 scripts/gemm_amax_graph_probe.py 2>&1 | grep -v "Warn\|return Var" > "$OUT/new$r.txt"
+done
+paste "$OUT/old1.txt" "$OUT/new1.txt" "$OUT/old2.txt" "$OUT/new2.txt" | sed 's/  */ /g'
+PYTHONPATH=/tmp/site:$ROOT TORCH_EXTENSIONS_DIR=/tmp/ext_new KERAS_BACKEND=torch timeout 150 \
+  python3 -m pytest tests/torch_ops/test_torch_ops_gemm_amax.py -q -p no:cacheprovider --tb=short -W ignore \
+  > "$OUT/gtests.txt" 2>&1
+tail -3 "$OUT/gtests.txt"
