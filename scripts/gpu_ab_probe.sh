@@ -4,7 +4,8 @@
 # built in parallel into separate extension directories, run interleaved
 # old/new/old/new (session 18, call 8). Prepare the old tree here first:
 #   mkdir _old && git archive REV torch_ops csrc benchmarks pyproject.toml | tar x -C _old
-# then on the GPU machine, after installing the wheels into /tmp/site:
+# (_old is git-ignored: name it in the device call's carry, with .whl), then
+# on the GPU machine, after installing the wheels into /tmp/site:
 #   bash scripts/gpu_ab_probe.sh _old
 # Also runs the new tree's gemm_amax tests. Logs under $OUT/x.
 OLD=${1:?usage: gpu_ab_probe.sh OLD_TREE}
