@@ -103,7 +103,7 @@ __device__ __forceinline__ void record_by_amax_warps(const GemmAmaxJobs& jobs, u
   const int lane = at & 31, w = at >> 5;
   float v[2][kRecordPer], prev[2];
   unsigned nonzero[2] = {0u, 0u};
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the state's last writer is done (PDL)
+  pdl_wait();  // the state's last writer is done
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const Finalize& f = jobs.f[j];
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   if (wg == 0) {
     if (warp == 0) {
       if (lane == 0) {
-        asm volatile("griddepcontrol.wait;" ::: "memory");  // the operands' producer is done (PDL)
+        pdl_wait();  // the operands' producer is done
         for (int i = 0; i < KL; ++i) {
           const int s = i % STAGES, kt = k0 + (i + rot) % KL;
           if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         }
       }
     }
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    pdl_launch_dependents();
     if (store) {
       // Through shared memory (the stages, free once both warpgroups and
       // the amax warps are done with them): 128-byte swizzled 64 x 64
