@@ -184,6 +184,14 @@ int set_small_record_stream(int64_t mode) {
   return torch_ops::set_small_record_stream((int)mode);
 }
 
+int set_gemm_amax_in_graphs(int64_t mode) {
+  TORCH_CHECK_VALUE(mode >= -1 && mode <= 2,
+                    "mode: expected -1 (as TORCH_OPS_GEMM_AMAX_GRAPHS says), 0 (cuBLAS's GEMMs and the state kernel "
+                    "while captured), 1 (our GEMMs) or 2 (auto: ours where the forward takes wide tiles), got ",
+                    std::to_string(mode));
+  return torch_ops::set_gemm_amax_in_graphs((int)mode);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -212,7 +220,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "operands' amax)",
         py::arg("a"), py::arg("b"), py::arg("layout"), py::arg("state_a"), py::arg("state_b"), py::arg("fmt_a"),
         py::arg("fmt_b"), py::arg("algo"), py::arg("mdiv"), py::arg("bias") = py::none());
-  m.def("set_gemm_amax_in_graphs", [](int64_t mode) { return torch_ops::set_gemm_amax_in_graphs((int)mode); },
+  m.def("set_gemm_amax_in_graphs", &set_gemm_amax_in_graphs,
         "mode (-1: TORCH_OPS_GEMM_AMAX_GRAPHS, 0: cuBLAS and the state kernel while captured, 1: our GEMMs, "
         "2: ours where the forward takes wide tiles) -> the previous mode");
   m.def("gemm_amax_applies", [](const at::Tensor& a, const at::Tensor& b, int64_t layout) {

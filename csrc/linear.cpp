@@ -655,11 +655,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
 
 int set_small_record_stream(int mode) { return g_small_record_stream.exchange(mode); }
 
-int set_gemm_amax_in_graphs(int mode) {
-  TORCH_CHECK_VALUE(mode >= -1 && mode <= 2, "mode: expected -1 (the environment), 0, 1 or 2 (auto), got ",
-                    std::to_string(mode));
-  return g_gemm_amax_in_graphs.exchange(mode);
-}
+int set_gemm_amax_in_graphs(int mode) { return g_gemm_amax_in_graphs.exchange(mode); }
 
 // Weights quantized ahead of their next training call, all in one call
 // (torch_ops.linear.prequantize_weights: at the end of a training step the

@@ -359,9 +359,10 @@ class LinearFastPathTest(parameterized.TestCase):
     def test_unknown_env_settings_warn_once_and_default(self):
         """The C++ settings read from the environment (once): unknown values
         warn once each, naming the variable, and the defaults run (a small
-        training call (M = 64: below min_gemm_size; a float32 weight, so the
-        small path of cuBLAS's GEMMs and the state launch) and an FP8 one
-        (M = 4096), twice each, in a fresh process)."""
+        training call (M = 64: below min_gemm_size) with a float32 weight
+        (cuBLAS's GEMMs and the state launch) and with a bf16 one (our GEMMs,
+        which read TORCH_OPS_GEMM_AMAX and TORCH_OPS_GEMM_AMAX_GRAPHS), and an
+        FP8 one (M = 4096), twice each, in a fresh process)."""
         import os
         import subprocess
         import sys
@@ -369,17 +370,18 @@ class LinearFastPathTest(parameterized.TestCase):
         code = (
             "import torch, torch_ops\n"
             "for _ in range(2):\n"
-            "    for M in (64, 4096):\n"
+            "    for M, wd in ((64, torch.float32), (64, torch.bfloat16), (4096, torch.float32)):\n"
             "        st = torch_ops.FP8LinearState.create(device='cuda')\n"
             "        x = torch.randn(M, 256, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
-            "        w = torch.randn(512, 256, device='cuda', requires_grad=True)\n"
+            "        w = torch.randn(512, 256, device='cuda', dtype=wd, requires_grad=True)\n"
             "        y = torch_ops.fp8_linear(x, w, state=st, min_gemm_size=1 << 26)\n"
             "        y.float().sum().backward()\n"
             "        assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()\n"
             "        assert float(st.grad_amax_history[0]) > 0\n"
             "torch.cuda.synchronize(); print('ok')\n")
         bad = {"TORCH_OPS_SMALL_RECORD_STREAM": "7", "TORCH_OPS_QTILE": "v9", "TORCH_OPS_PDL": "maybe",
-               "TORCH_OPS_DELAYED_PREPASS": "2", "TORCH_OPS_LEAN": "fast"}
+               "TORCH_OPS_DELAYED_PREPASS": "2", "TORCH_OPS_LEAN": "fast", "TORCH_OPS_GEMM_AMAX": "yes",
+               "TORCH_OPS_GEMM_AMAX_GRAPHS": "sometimes"}
         out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **bad), capture_output=True,
                              text=True, timeout=600)
         self.assertEqual(out.returncode, 0, out.stderr[-2000:])
