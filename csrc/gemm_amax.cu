@@ -26,7 +26,7 @@
 // order of the k steps changes with the rotation, not the result's
 // determinism). 16-bit |x| maxima as packed unsigned
 // halves (NaN > inf > finite, as the quantize kernels). Split-K over a
-// two-CTA cluster (partial sums added through distributed shared memory)
+// two-CTA cluster (rank 1 sends its partial sums into rank 0's shared memory by st.async)
 // where the output has too few tiles to fill the GPU.
 //
 // Layouts (all row-major, contiguous): 0: out (M, N) = a (M, K) . b (N, K)^T
@@ -198,9 +198,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* sA = smem;
   uint8_t* sB = smem + STAGES * A_BYTES;
-  uint64_t* full = reinterpret_cast<uint64_t*>(sB + STAGES * B_BYTES);
+  // Split-K: rank 1's partial sums land here in rank 0 (st.async), counted
+  // by red_full's transaction bytes.
+  float4* red_area = reinterpret_cast<float4*>(sB + STAGES * B_BYTES);
+  uint64_t* full = reinterpret_cast<uint64_t*>(sB + STAGES * B_BYTES + (SPLIT > 1 ? kBM * BN * 4 : 0));
   uint64_t* empty = full + STAGES;
   uint64_t* amax_free = empty + STAGES;
+  uint64_t* red_full = amax_free + STAGES;
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
   const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + kBM - 1) / kBM;
@@ -234,10 +238,18 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       mbar_init(&empty[s], 8);      // the consumer warps release a stage
       mbar_init(&amax_free[s], 3);  // and, at positions p < held, the amax warps
     }
+    if (SPLIT > 1) {
+      mbar_init(red_full, 1);
+      if (rank == 0) mbar_expect_tx(red_full, kBM * BN * 4);  // all of rank 1's partial sums
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (tid < 16) red[tid] = 0u;
   __syncthreads();
+  // Split-K: rank 0's red_full initialized before rank 1 stores into it
+  // (rank 1's consumers wait for this barrier before their st.async,
+  // every other thread at the end).
+  if (SPLIT > 1) cluster_arrive_relaxed();
 
   if (wg == 0) {
     if (warp == 0) {
@@ -283,19 +295,12 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         red[warp] = a_max << 16;
         red[8 + warp] = b_max << 16;
       }
-      if (SPLIT == 1) named_arrive(1, 352);  // the consumers may reuse the stages
+      named_arrive(1, 352);  // the consumers may reuse the stages
       if (jobs.fast) {
         named_sync(5, 96);
         const unsigned a = max(max(red[1], red[2]), red[3]), b = max(max(red[9], red[10]), red[11]);
         named_sync(5, 96);  // red[] is reused below
-        // The consumers' first cluster barrier (this CTA's stages are free)
-        // arrived at before the record, waited for after it.
-        if (SPLIT > 1) cluster_arrive();
         record_by_amax_warps(jobs, a, b, at, red + 16);
-        if (SPLIT > 1) {
-          cluster_wait();
-          cluster_sync_all();
-        }
       }
     }
   } else {
@@ -326,28 +331,23 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     wgmma_wait<0>();
     bool store = true;
     if (SPLIT > 1) {
-      // Both CTAs are done with their stages (the amax warps and the
-      // producer take part in the two cluster barriers below); rank 1 adds
-      // its partial sums into rank 0's shared memory (one float4 per thread
-      // and 4 registers, thread-minor), rank 0 adds them up.
+      // Rank 1 sends its partial sums into rank 0's red_area (one float4
+      // per thread and 4 registers, thread-minor; st.async, counted by
+      // rank 0's red_full), rank 0 adds them up: no cluster barrier
+      // between the k loop and the store (two cost ~2.8 us, session 19).
       const int ct = tid - 128;  // 0..255
-      cluster_sync_all();
       if (rank == 1) {
-        uint32_t remote;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(smem_u32(smem)));
+        cluster_wait();  // rank 0's red_full initialized
+        const uint32_t area = mapa_u32(smem_u32(red_area), 0), bar = mapa_u32(smem_u32(red_full), 0);
 #pragma unroll
         for (int q = 0; q < BN / 8; ++q)
-          asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote + (q * 256 + ct) * 16),
-                       "f"(d[4 * q]), "f"(d[4 * q + 1]), "f"(d[4 * q + 2]), "f"(d[4 * q + 3])
-                       : "memory");
-      }
-      cluster_sync_all();
-      store = rank == 0;
-      if (store) {
-        const float4* part = reinterpret_cast<const float4*>(smem);
+          st_async_v4(area + (q * 256 + ct) * 16, d[4 * q], d[4 * q + 1], d[4 * q + 2], d[4 * q + 3], bar);
+        store = false;
+      } else {
+        mbar_wait(red_full, 0);
 #pragma unroll
         for (int q = 0; q < BN / 8; ++q) {
-          const float4 v = part[q * 256 + ct];
+          const float4 v = red_area[q * 256 + ct];
           d[4 * q] += v.x;
           d[4 * q + 1] += v.y;
           d[4 * q + 2] += v.z;
@@ -356,11 +356,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
     }
     pdl_launch_dependents();
+    named_sync(1, 352);  // the amax warps are done with the stages (also where nothing is stored: rank 1)
     if (store) {
       // Through shared memory (the stages, free once both warpgroups and
       // the amax warps are done with them): 128-byte swizzled 64 x 64
       // sub-tiles, one TMA store each.
-      named_sync(1, SPLIT == 1 ? 352 : 256);
       uint8_t* sC = smem + c * (64 * BN * 2);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
@@ -391,10 +391,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
     }
   }
-  if (SPLIT > 1 && wg == 0 && !(jobs.fast && warp > 0)) {  // the consumers' two cluster barriers
-    cluster_sync_all();
-    cluster_sync_all();
-  }
   // Otherwise every thread of every CTA: the amaxes into the state (the
   // last CTA records them; block_done needs the whole block).
   if (!jobs.fast && (amax_a || amax_b)) {
@@ -403,6 +399,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     if (amax_a) block_done(a, jobs.f[0], red + 16, gridDim.x);
     __syncthreads();  // block_done's is_last flag, read by all, before the next call writes it
     if (amax_b) block_done(b, jobs.f[1], red + 16, gridDim.x);
+  }
+  if (SPLIT > 1 && !(rank == 1 && wg > 0)) {  // the start's cluster barrier (rank 1's consumers waited)
+    __syncwarp();
+    cluster_wait();
   }
 #endif
 }
@@ -455,7 +455,8 @@ int device_sms(int device) {
 template <int BN, int STAGES, int LAYOUT, int SPLIT>
 void launch(int device, cudaStream_t stream, const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc,
             int M, int N, int K, const GemmAmaxJobs& jobs) {
-  constexpr int kSmem = STAGES * (kBM * kBK * 2 + BN * kBK * 2) + 3 * STAGES * 8 + 1024;
+  constexpr int kSmem =
+      STAGES * (kBM * kBK * 2 + BN * kBK * 2) + (SPLIT > 1 ? kBM * BN * 4 + 8 : 0) + 3 * STAGES * 8 + 1024;
   auto kernel = gemm_amax_kernel<BN, STAGES, LAYOUT, SPLIT>;
   static std::atomic<bool> configured[kMaxDevices];
   if (device >= 0 && device < kMaxDevices && !configured[device].load(std::memory_order_acquire)) {
@@ -487,7 +488,7 @@ template <int LAYOUT>
 void launch_for(int device, cudaStream_t stream, const CUtensorMap& ta, const CUtensorMap& tb,
                 const CUtensorMap& tc, int M, int N, int K, int bn, int split, const GemmAmaxJobs& jobs) {
   if (bn == 256) launch<256, 4, LAYOUT, 1>(device, stream, ta, tb, tc, M, N, K, jobs);
-  else if (split == 2) launch<128, 6, LAYOUT, 2>(device, stream, ta, tb, tc, M, N, K, jobs);
+  else if (split == 2) launch<128, 5, LAYOUT, 2>(device, stream, ta, tb, tc, M, N, K, jobs);
   else launch<128, 4, LAYOUT, 1>(device, stream, ta, tb, tc, M, N, K, jobs);
 }
 
