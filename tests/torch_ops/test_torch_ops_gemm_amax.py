@@ -82,16 +82,17 @@ class GemmAmaxTest(parameterized.TestCase):
                                     (sb, rsb, "b scale")):
                 self.assertTrue(torch.equal(got, want), f"{name} step {step}: {got} vs {want}")
 
-    @parameterized.product(H=[1, 1152, 1153, 3000], algo=[0, 1])
-    def test_history_lengths(self, H, algo):
+    @parameterized.product(H=[1, 1152, 1153, 3000], algo=[0, 1], mnk=[(512, 256, 384), (1024, 1024, 2048)])
+    def test_history_lengths(self, H, algo, mnk):
         """Histories up to 1152 entries are recorded by the amax warps, longer
-        ones by the whole last CTA: both as the emulation, both algorithms."""
+        ones by the whole last CTA: both as the emulation, both algorithms,
+        with and without split-K (1024 x 1024 x 2048)."""
         ext = _ext()
         (ha, sa), (hb, sb) = _state(H), _state(H)
         (rha, rsa), (rhb, rsb) = _state(H), _state(H)
         name = "max" if algo == 0 else "most_recent"
         for step in range(3):
-            a, b, a_mk, b_nk = _operands(512, 256, 384, 0, seed=40 + step)
+            a, b, a_mk, b_nk = _operands(*mnk, 0, seed=40 + step)
             ext.gemm_amax(a, b, 0, [ha, sa], [hb, sb], 0, 1, algo, 1.0)
             emu.quantize_delayed(a_mk, rha, rsa, E4M3, amax_compute_algo=name)
             emu.quantize_delayed(b_nk, rhb, rsb, E5M2, amax_compute_algo=name)
