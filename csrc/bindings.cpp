@@ -152,28 +152,67 @@ int set_delayed_prepass(int64_t mode) {
   return torch_ops::set_delayed_prepass((int)mode);
 }
 
+// The record arguments of the test bindings below: each FP8 format 0
+// (E4M3) or 1 (E5M2), the history rule 0 (max) or 1 (most recent).
+void check_record_args(std::initializer_list<int64_t> fmts, int64_t algo) {
+  for (const int64_t fmt : fmts)
+    TORCH_CHECK_VALUE(fmt == 0 || fmt == 1, "fmt: expected 0 (E4M3) or 1 (E5M2), got ", std::to_string(fmt));
+  TORCH_CHECK_VALUE(algo == 0 || algo == 1, "algo: expected 0 (max) or 1 (most_recent), got ", std::to_string(algo));
+}
+
+// An operand's record for the test bindings: `state` empty (none) or
+// (history, scale) of float32 on `like`'s device.
+bool test_record(const at::Tensor& x, const std::vector<at::Tensor>& state, int64_t fmt, const at::Tensor& like,
+                 torch_ops::AmaxRecord& r) {
+  TORCH_CHECK(state.empty() || state.size() == 2, "state: expected [] or [history, scale], got ",
+              std::to_string(state.size()), " tensors");
+  if (state.empty()) return false;
+  torch_ops::check_f32_state(state[0], "state history", like, -1, true);
+  torch_ops::check_f32_state(state[1], "state scale", like, 1, false);
+  r = {&x, &state[0], &state[1], (int)fmt};
+  return true;
+}
+
 // gemm_amax for tests: state_a / state_b empty (not recorded) or
 // (history, scale); fmt_a / fmt_b their FP8 formats (0 E4M3, 1 E5M2).
 at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int64_t layout, const std::vector<at::Tensor>& state_a,
                      const std::vector<at::Tensor>& state_b, int64_t fmt_a, int64_t fmt_b, int64_t algo, double mdiv,
                      const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(layout >= 0 && layout <= 2, "layout: expected 0, 1 or 2, got ", std::to_string(layout));
+  check_record_args({fmt_a, fmt_b}, algo);
   TORCH_CHECK(torch_ops::gemm_amax_applies(a, b, (int)layout),
               "a, b: expected contiguous 16-byte-aligned bfloat16 matrices with rows a multiple of 8 elements and "
               "matching inner dimensions, on an sm_90 device");
-  torch_ops::AmaxRecord ra{&a, nullptr, nullptr, (int)fmt_a}, rb{&b, nullptr, nullptr, (int)fmt_b};
-  for (auto* st : {&state_a, &state_b}) {
-    TORCH_CHECK(st->empty() || st->size() == 2, "state_a, state_b: expected [] or [history, scale]");
-    if (st->size() == 2) {
-      torch_ops::check_f32_state((*st)[0], "state history", a, -1, true);
-      torch_ops::check_f32_state((*st)[1], "state scale", a, 1, false);
-    }
-  }
-  if (!state_a.empty()) ra.hist = &state_a[0], ra.scale = &state_a[1];
-  if (!state_b.empty()) rb.hist = &state_b[0], rb.scale = &state_b[1];
+  torch_ops::AmaxRecord ra{}, rb{};
+  const bool on_a = test_record(a, state_a, fmt_a, a, ra), on_b = test_record(b, state_b, fmt_b, a, rb);
   const at::Tensor* bp = (bias.has_value() && bias->defined()) ? &*bias : nullptr;
-  return torch_ops::gemm_amax(a, b, (int)layout, state_a.empty() ? nullptr : &ra, state_b.empty() ? nullptr : &rb,
-                              (int)algo, mdiv, bp);
+  return torch_ops::gemm_amax(a, b, (int)layout, on_a ? &ra : nullptr, on_b ? &rb : nullptr, (int)algo, mdiv, bp);
+}
+
+// gemm_amax_pair for tests: states[q] / fmts[q] of a0, b0, a1, b1 as
+// gemm_amax's state_a / fmt_a (at most three states non-empty).
+std::vector<at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at::Tensor& b0, int64_t layout0,
+                                       const at::Tensor& a1, const at::Tensor& b1,
+                                       const std::vector<std::vector<at::Tensor>>& states,
+                                       const std::vector<int64_t>& fmts, int64_t algo, double mdiv) {
+  TORCH_CHECK_VALUE(layout0 == 0 || layout0 == 1, "layout0: expected 0 or 1, got ", std::to_string(layout0));
+  TORCH_CHECK_VALUE(states.size() == 4 && fmts.size() == 4, "states, fmts: expected four entries each (a0, b0, a1, "
+                    "b1), got ", std::to_string(states.size()), " and ", std::to_string(fmts.size()));
+  check_record_args({fmts[0], fmts[1], fmts[2], fmts[3]}, algo);
+  const at::Tensor* xs[4] = {&a0, &b0, &a1, &b1};
+  torch_ops::AmaxRecord r[4] = {};
+  const torch_ops::AmaxRecord* recs[4] = {};
+  long long max_history = 0;
+  for (int q = 0; q < 4; ++q) {
+    if (!test_record(*xs[q], states[q], fmts[q], a0, r[q])) continue;
+    recs[q] = &r[q];
+    max_history = std::max<long long>(max_history, states[q][0].numel());
+  }
+  TORCH_CHECK(torch_ops::gemm_amax_pair_applies(a0, b0, (int)layout0, a1, b1, max_history),
+              "a0, b0, a1, b1: expected contiguous 16-byte-aligned bfloat16 matrices with rows a multiple of 8 "
+              "elements and matching inner dimensions, on one sm_90 device, histories of at most 1152 entries");
+  auto out = torch_ops::gemm_amax_pair(a0, b0, (int)layout0, a1, b1, recs, (int)algo, mdiv);
+  return {out.first, out.second};
 }
 
 int set_small_record_stream(int64_t mode) {
@@ -187,7 +226,8 @@ int set_small_record_stream(int64_t mode) {
 int set_gemm_amax_in_graphs(int64_t mode) {
   TORCH_CHECK_VALUE(mode >= -1 && mode <= 2,
                     "mode: expected -1 (as TORCH_OPS_GEMM_AMAX_GRAPHS says), 0 (cuBLAS's GEMMs and the state kernel "
-                    "while captured), 1 (our GEMMs) or 2 (auto: ours where the forward takes wide tiles), got ",
+                    "while captured), 1 (our GEMMs) or 2 (auto: ours, the forward on cuBLAS where ours would take "
+                    "narrow tiles), got ",
                     std::to_string(mode));
   return torch_ops::set_gemm_amax_in_graphs((int)mode);
 }
@@ -220,9 +260,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "operands' amax)",
         py::arg("a"), py::arg("b"), py::arg("layout"), py::arg("state_a"), py::arg("state_b"), py::arg("fmt_a"),
         py::arg("fmt_b"), py::arg("algo"), py::arg("mdiv"), py::arg("bias") = py::none());
+  m.def("gemm_amax_pair", &gemm_amax_pair,
+        "a0, b0, layout0, a1, b1, states[4], fmts[4], algo, mdiv -> [a0 . b0 in layout0, a1 . b1 in layout 2] "
+        "(one launch, recording the operands with a state)");
   m.def("set_gemm_amax_in_graphs", &set_gemm_amax_in_graphs,
         "mode (-1: TORCH_OPS_GEMM_AMAX_GRAPHS, 0: cuBLAS and the state kernel while captured, 1: our GEMMs, "
-        "2: ours where the forward takes wide tiles) -> the previous mode");
+        "2: ours, the forward on cuBLAS where ours would take narrow tiles) -> the previous mode");
   m.def("gemm_amax_applies", [](const at::Tensor& a, const at::Tensor& b, int64_t layout) {
     return torch_ops::gemm_amax_applies(a, b, (int)layout);
   });

@@ -90,6 +90,15 @@ bool gemm_amax_bias_applies(const at::Tensor& bias, long long n, const at::Tenso
 bool gemm_amax_wide(long long M, long long N, int device);
 at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const AmaxRecord* rec_a,
                      const AmaxRecord* rec_b, int algo, double mdiv, const at::Tensor* bias = nullptr);
+// Two of them in one launch (the small path's backward: dX in layout 0 or
+// 1, dW in layout 2): (a0 . b0, a1 . b1); recs: the records of a0, b0, a1,
+// b1 (null: none, at most three non-null), each history at most
+// `max_history` (gemm_amax_pair_applies) entries long.
+bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at::Tensor& a1,
+                            const at::Tensor& b1, long long max_history);
+std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at::Tensor& b0, int layout0,
+                                                 const at::Tensor& a1, const at::Tensor& b1,
+                                                 const AmaxRecord* const (&recs)[4], int algo, double mdiv);
 
 // keras_fp8's gradient channel folded into the gradient's scaling state by
 // one block (fold.cu: fold_grad_amax, and torch_ops/fold.py for the meaning

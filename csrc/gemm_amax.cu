@@ -98,14 +98,16 @@ __device__ __forceinline__ uint32_t amax_tile(const uint8_t* tile, int at, uint3
 // and the last CTA's warps record both jobs with what they preloaded: no
 // global load after the counter but the two amaxes. The same results as
 // finalize_one_pass with seed_mode 1 (finalize.cuh), which block_done runs.
-__device__ __forceinline__ void record_by_amax_warps(const GemmAmaxJobs& jobs, unsigned a_bits, unsigned b_bits,
-                                                     int at, unsigned* red) {
+template <int J, typename Jobs>
+__device__ __forceinline__ void record_by_amax_warps(const Jobs& jobs, const unsigned (&bits)[J], int at,
+                                                     unsigned* red) {
   const int lane = at & 31, w = at >> 5;
-  float v[2][kRecordPer], prev[2];
-  unsigned nonzero[2] = {0u, 0u};
+  float v[J][kRecordPer], prev[J];
+  unsigned nonzero[J];
   pdl_wait();  // the state's last writer is done
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
+  for (int j = 0; j < J; ++j) {
+    nonzero[j] = 0u;
     const Finalize& f = jobs.f[j];
     prev[j] = 1.0f;
     if (!jobs.on[j]) continue;
@@ -119,29 +121,36 @@ __device__ __forceinline__ void record_by_amax_warps(const GemmAmaxJobs& jobs, u
   }
   // This CTA's amaxes and its count; thread 0 learns whether it is the last.
   if (at == 0) {
-    unsigned* counter = jobs.on[0] ? jobs.f[0].ws + 1 : jobs.f[1].ws + 1;
-    if (jobs.on[0] && a_bits) atomicMax(jobs.f[0].ws, a_bits);
-    if (jobs.on[1] && b_bits) atomicMax(jobs.f[1].ws, b_bits);
+    unsigned* counter = nullptr;  // the first job's: one count for all
+#pragma unroll
+    for (int j = J - 1; j >= 0; --j)
+      if (jobs.on[j]) counter = jobs.f[j].ws + 1;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+      if (jobs.on[j] && bits[j]) atomicMax(jobs.f[j].ws, bits[j]);
     unsigned prior;
     asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(prior) : "l"(counter) : "memory");
     const bool last = prior == gridDim.x - 1;
     red[0] = last;
     if (last) {
-      red[1] = jobs.on[0] ? atomicAdd(jobs.f[0].ws, 0u) : 0u;
-      red[2] = jobs.on[1] ? atomicAdd(jobs.f[1].ws, 0u) : 0u;
-      if (jobs.on[0]) jobs.f[0].ws[0] = 0u;  // the workspace left at zero for the next launch
-      if (jobs.on[1]) jobs.f[1].ws[0] = 0u;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        red[1 + j] = jobs.on[j] ? atomicAdd(jobs.f[j].ws, 0u) : 0u;
+        if (jobs.on[j]) jobs.f[j].ws[0] = 0u;  // the workspace left at zero for the next launch
+      }
       *counter = 0u;
     }
   }
   named_sync(5, 96);
   if (!red[0]) return;
-  const float amax[2] = {__uint_as_float(red[1]), __uint_as_float(red[2])};
-  bool shift[2];
-  unsigned m[2] = {0u, 0u};
+  float amax[J];
+  bool shift[J];
+  unsigned m[J];
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
+  for (int j = 0; j < J; ++j) {
     const Finalize& f = jobs.f[j];
+    amax[j] = __uint_as_float(red[1 + j]);
+    m[j] = 0u;
     shift[j] = jobs.on[j] && isfinite(amax[j]) && f.H > 0;
     if (!jobs.on[j]) continue;
 #pragma unroll
@@ -155,16 +164,18 @@ __device__ __forceinline__ void record_by_amax_warps(const GemmAmaxJobs& jobs, u
   }
   // Across the three warps (red[8 + ...]: free here), every read of the
   // histories done before the writes below.
+  static_assert(8 + 6 * J <= kRedWords, "too many jobs for the reduction words");
   if (lane == 0) {
-    red[8 + w] = nonzero[0], red[11 + w] = nonzero[1], red[14 + w] = m[0], red[17 + w] = m[1];
+#pragma unroll
+    for (int j = 0; j < J; ++j) red[8 + 3 * j + w] = nonzero[j], red[8 + 3 * J + 3 * j + w] = m[j];
   }
   named_sync(5, 96);
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
+  for (int j = 0; j < J; ++j) {
     const Finalize& f = jobs.f[j];
     if (!jobs.on[j]) continue;
     const unsigned nz = red[8 + 3 * j] | red[9 + 3 * j] | red[10 + 3 * j];
-    const unsigned mm = max(max(red[14 + 3 * j], red[15 + 3 * j]), red[16 + 3 * j]);
+    const unsigned mm = max(max(red[8 + 3 * J + 3 * j], red[9 + 3 * J + 3 * j]), red[10 + 3 * J + 3 * j]);
     if (shift[j]) {
 #pragma unroll
       for (int k = 0; k < kRecordPer; ++k) {
@@ -181,6 +192,79 @@ __device__ __forceinline__ void record_by_amax_warps(const GemmAmaxJobs& jobs, u
     }
   }
 }
+
+// One stage's TMA loads: A's 128 x 64 tile (m_blk, kt) and B's BN x 64 tile
+// (n_blk, kt), 128-byte swizzled, completing `bar`'s transaction bytes.
+template <int BN, int LAYOUT>
+__device__ __forceinline__ void load_stage(uint8_t* sA, uint8_t* sB, const CUtensorMap* tmA, const CUtensorMap* tmB,
+                                           uint64_t* bar, int m_blk, int n_blk, int kt) {
+  if (LAYOUT == 2) {  // A MN-major: two 64 x 64 boxes along M
+    tma_load(sA, tmA, bar, m_blk * kBM, kt * kBK);
+    tma_load(sA + 8192, tmA, bar, m_blk * kBM + 64, kt * kBK);
+  } else {
+    tma_load(sA, tmA, bar, kt * kBK, m_blk * kBM);
+  }
+  if (LAYOUT >= 1) {  // B MN-major: BN / 64 boxes along N
+#pragma unroll
+    for (int b = 0; b < BN / 64; ++b) tma_load(sB + b * 8192, tmB, bar, n_blk * BN + b * 64, kt * kBK);
+  } else {
+    tma_load(sB, tmB, bar, kt * kBK, n_blk * BN);
+  }
+}
+
+// One stage's multiply-adds of consumer warpgroup `c` (its 64 rows of A):
+// d (64 x BN, wgmma's fragment) += A . B over the stage's 64 k.
+template <int BN, int LAYOUT>
+__device__ __forceinline__ void mma_stage(float* d, const uint8_t* sA, const uint8_t* sB, int c) {
+  const uint32_t a0 = smem_u32(sA + c * 64 * 128), b0 = smem_u32(sB);
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    if (LAYOUT == 2) {  // this warpgroup's 64 rows are the stage's c-th 64 x 64 box
+      Wgmma<BN, 1, 1>::mma(d, desc_mn_major(a0 + kk * 2048, 8192), desc_mn_major(b0 + kk * 2048, 8192));
+    } else if (LAYOUT == 1) {
+      Wgmma<BN, 0, 1>::mma(d, desc_k_major(a0 + kk * 32), desc_mn_major(b0 + kk * 2048, 8192));
+    } else {
+      Wgmma<BN, 0, 0>::mma(d, desc_k_major(a0 + kk * 32), desc_k_major(b0 + kk * 32));
+    }
+  }
+}
+
+// Consumer warpgroup `c`'s 64 x BN of the tile (m_blk, n_blk) out of its
+// fragment `d` (+ `bias` per column, may be null) into `sC` (its 64 x BN
+// bf16 as 128-byte-swizzled 64 x 64 sub-tiles, 16 KB per 64 columns, free
+// for writing), then one TMA store per sub-tile by its first thread (who
+// waits until the stores have read sC). Named barrier 2 + c.
+template <int BN>
+__device__ __forceinline__ void store_tile(float* d, uint8_t* sC, const CUtensorMap* tmC, const __nv_bfloat16* bias,
+                                           int N, int m_blk, int n_blk, int c, int tid) {
+  const int lane = tid % 32, w = (tid / 32) % 4;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    if (bias) {  // added in float32 before the rounding, as cuBLAS's bias epilogue
+      const int col = n_blk * BN + j * 8 + (lane % 4) * 2;  // even; N is a multiple of 8
+      if (col < N) {
+        const float2 bv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col));
+        d[j * 4] += bv.x, d[j * 4 + 1] += bv.y, d[j * 4 + 2] += bv.x, d[j * 4 + 3] += bv.y;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = w * 16 + lane / 4 + 8 * h;
+      const uint32_t off = (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) * 16) + (lane % 4) * 4;
+      __nv_bfloat162 v = __floats2bfloat162_rn(d[j * 4 + 2 * h], d[j * 4 + 2 * h + 1]);
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(sC + off)), "r"(*reinterpret_cast<uint32_t*>(&v))
+                   : "memory");
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  named_sync(2 + c, 128);
+  if (tid % 128 == 0) {
+#pragma unroll
+    for (int sub = 0; sub < BN / 64; ++sub) tma_store(tmC, sC + sub * 8192, n_blk * BN + sub * 64, m_blk * kBM + c * 64);
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+}
 #endif  // TORCH_OPS_GEMM_AMAX_STUB
 
 template <int BN, int STAGES, int LAYOUT, int SPLIT>
@@ -190,7 +274,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 #ifdef TORCH_OPS_GEMM_AMAX_STUB
   __trap();
 #else
-  constexpr bool kAMN = LAYOUT == 2, kBMN = LAYOUT >= 1;
   constexpr int A_BYTES = kBM * kBK * 2, B_BYTES = BN * kBK * 2;
   extern __shared__ uint8_t smem_raw[];
   // [1..3] / [9..11]: the amax warps' maxima of A / B; from 16: block_done's.
@@ -260,19 +343,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
           if (i >= STAGES && i - STAGES < held) mbar_wait(&amax_free[s], ((i / STAGES) + 1) & 1);
           mbar_expect_tx(&full[s], A_BYTES + B_BYTES);
-          if (kAMN) {
-            tma_load(sA + s * A_BYTES, &tmA, &full[s], m_blk * kBM, kt * kBK);
-            tma_load(sA + s * A_BYTES + 8192, &tmA, &full[s], m_blk * kBM + 64, kt * kBK);
-          } else {
-            tma_load(sA + s * A_BYTES, &tmA, &full[s], kt * kBK, m_blk * kBM);
-          }
-          if (kBMN) {
-#pragma unroll
-            for (int b = 0; b < BN / 64; ++b)
-              tma_load(sB + s * B_BYTES + b * 8192, &tmB, &full[s], n_blk * BN + b * 64, kt * kBK);
-          } else {
-            tma_load(sB + s * B_BYTES, &tmB, &full[s], kt * kBK, n_blk * BN);
-          }
+          load_stage<BN, LAYOUT>(sA + s * A_BYTES, sB + s * B_BYTES, &tmA, &tmB, &full[s], m_blk, n_blk, kt);
         }
       }
     } else {
@@ -300,12 +371,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         named_sync(5, 96);
         const unsigned a = max(max(red[1], red[2]), red[3]), b = max(max(red[9], red[10]), red[11]);
         named_sync(5, 96);  // red[] is reused below
-        record_by_amax_warps(jobs, a, b, at, red + 16);
+        const unsigned bits[2] = {a, b};
+        record_by_amax_warps<2>(jobs, bits, at, red + 16);
       }
     }
   } else {
     // The consumers.
-    const int c = wg - 1, w = warp % 4;
+    const int c = wg - 1;
     float d[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
@@ -313,17 +385,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       const int s = i % STAGES;
       mbar_wait(&full[s], (i / STAGES) & 1);
       wgmma_fence();
-      const uint32_t a0 = smem_u32(sA + s * A_BYTES + c * 64 * 128), b0 = smem_u32(sB + s * B_BYTES);
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        if (kAMN) {  // this warpgroup's 64 rows are the stage's c-th 64 x 64 box
-          Wgmma<BN, 1, 1>::mma(d, desc_mn_major(a0 + kk * 2048, 8192), desc_mn_major(b0 + kk * 2048, 8192));
-        } else if (kBMN) {
-          Wgmma<BN, 0, 1>::mma(d, desc_k_major(a0 + kk * 32), desc_mn_major(b0 + kk * 2048, 8192));
-        } else {
-          Wgmma<BN, 0, 0>::mma(d, desc_k_major(a0 + kk * 32), desc_k_major(b0 + kk * 32));
-        }
-      }
+      mma_stage<BN, LAYOUT>(d, sA + s * A_BYTES, sB + s * B_BYTES, c);
       wgmma_commit();
       wgmma_wait<1>();
       if (i > 0 && lane == 0) mbar_arrive(&empty[(i - 1) % STAGES]);
@@ -361,34 +423,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // Through shared memory (the stages, free once both warpgroups and
       // the amax warps are done with them): 128-byte swizzled 64 x 64
       // sub-tiles, one TMA store each.
-      uint8_t* sC = smem + c * (64 * BN * 2);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        if (jobs.bias) {  // added in float32 before the rounding, as cuBLAS's bias epilogue
-          const int col = n_blk * BN + j * 8 + (lane % 4) * 2;  // even; N is a multiple of 8
-          if (col < N) {
-            const float2 bv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(jobs.bias + col));
-            d[j * 4] += bv.x, d[j * 4 + 1] += bv.y, d[j * 4 + 2] += bv.x, d[j * 4 + 3] += bv.y;
-          }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = w * 16 + lane / 4 + 8 * h;
-          const uint32_t off = (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) * 16) + (lane % 4) * 4;
-          __nv_bfloat162 v = __floats2bfloat162_rn(d[j * 4 + 2 * h], d[j * 4 + 2 * h + 1]);
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(sC + off)), "r"(*reinterpret_cast<uint32_t*>(&v))
-                       : "memory");
-        }
-      }
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      named_sync(2 + c, 128);
-      if (tid % 128 == 0) {
-#pragma unroll
-        for (int sub = 0; sub < BN / 64; ++sub)
-          tma_store(&tmC, sC + sub * 8192, n_blk * BN + sub * 64, m_blk * kBM + c * 64);
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-      }
+      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC, jobs.bias, N, m_blk, n_blk, c, tid);
     }
   }
   // Otherwise every thread of every CTA: the amaxes into the state (the
@@ -403,6 +438,210 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   if (SPLIT > 1 && !(rank == 1 && wg > 0)) {  // the start's cluster barrier (rank 1's consumers waited)
     __syncwarp();
     cluster_wait();
+  }
+#endif
+}
+
+
+// Two GEMMs in one launch (the small path's backward: dX and dW, both
+// reading the gradient): a persistent grid over both GEMMs' 128 x 128
+// tiles (GEMM 0's first), CTA b taking tiles b, b + grid, ...; one ring of
+// stages runs through all of a CTA's tiles, so the producer loads a tile's
+// first stages while the consumers still multiply or store the one
+// before: one fill and one launch for the two GEMMs. Operand records as
+// gemm_amax's (each tile reads its share of its A row block and B column
+// block into the amax warps, rotated to its first k steps), up to three
+// jobs: job[g][0 / 1] is the job of GEMM g's A / B (-1: none), so that a
+// tensor both GEMMs read is recorded once. The amax warps record (the
+// histories are at most 96 * kRecordPer long). GEMM 0 in layout L0 (0 or
+// 1), GEMM 1 in L1 (2: the weight gradient).
+struct PairJobs {
+  Finalize f[3];
+  int on[3];
+  int job[2][2];
+};
+struct PairDims {
+  int M[2], N[2], K[2];
+};
+
+#ifndef TORCH_OPS_GEMM_AMAX_STUB
+// Tile t's place and its amax share (as gemm_amax_kernel's, per tile).
+struct PairTile {
+  int g, m_blk, n_blk, KL, rot, a_count, b_count, held, ja, jb;
+};
+__device__ __forceinline__ PairTile pair_tile(int t, const PairDims& dims, const PairJobs& jobs) {
+  PairTile r;
+  const int n0 = (dims.N[0] + 127) / 128, t0 = ((dims.M[0] + kBM - 1) / kBM) * n0;
+  r.g = t < t0 ? 0 : 1;
+  const int tt = r.g == 0 ? t : t - t0;
+  const int n_tiles = (dims.N[r.g] + 127) / 128, m_tiles = (dims.M[r.g] + kBM - 1) / kBM;
+  r.m_blk = tt / n_tiles;
+  r.n_blk = tt % n_tiles;
+  r.KL = (dims.K[r.g] + kBK - 1) / kBK;
+  r.ja = jobs.job[r.g][0];
+  r.jb = jobs.job[r.g][1];
+  const int ca = (r.KL + n_tiles - 1) / n_tiles, cb = (r.KL + m_tiles - 1) / m_tiles;
+  r.a_count = r.ja >= 0 ? max(0, min(ca, r.KL - r.n_blk * ca)) : 0;
+  r.b_count = r.jb >= 0 ? max(0, min(cb, r.KL - r.m_blk * cb)) : 0;
+  r.held = max(r.a_count, r.b_count);
+  r.rot = (int)(((long long)(r.jb >= 0 ? r.m_blk * cb : 0) + (r.ja >= 0 ? r.n_blk * ca : 0)) % r.KL);
+  return r;
+}
+
+// acc[j] = max(acc[j], a tile's |x|) for job j (0..2; registers, not an indexed array).
+__device__ __forceinline__ void amax_into(uint32_t (&acc)[3], int j, const uint8_t* tile, int at) {
+#pragma unroll
+  for (int q = 0; q < 3; ++q)
+    if (q == j) acc[q] = amax_tile<kBM * kBK * 2>(tile, at, acc[q]);
+}
+
+// One tile of the consumer warpgroup `c`: its k loop from ring position
+// `i0` (releasing every stage), then its 64 x 128 of the tile through `sC`.
+template <int LAYOUT, int STAGES>
+__device__ __forceinline__ void pair_consume(const PairTile& ti, int i0, uint8_t* sA, uint8_t* sB, uint8_t* sC,
+                                             uint64_t* full, uint64_t* empty, volatile int* seen,
+                                             const CUtensorMap* tmC, int N, int c, int tid) {
+  constexpr int kStage = kBM * kBK * 2;
+  float d[64];
+#pragma unroll
+  for (int q = 0; q < 64; ++q) d[q] = 0.f;
+  const int lane = tid % 32;
+  for (int p = 0; p < ti.KL; ++p) {
+    const int i = i0 + p, s = i % STAGES;
+    mbar_wait(&full[s], (i / STAGES) & 1);
+    if (tid == 128) *seen = i + 1;  // for the amax warps: positions < i + 1 have landed
+    wgmma_fence();
+    mma_stage<128, LAYOUT>(d, sA + s * kStage, sB + s * kStage, c);
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (p > 0 && lane == 0) mbar_arrive(&empty[(i - 1) % STAGES]);
+  }
+  wgmma_wait<0>();
+  if (lane == 0) mbar_arrive(&empty[(i0 + ti.KL - 1) % STAGES]);
+  named_sync(2 + c, 128);  // the previous tile's store has read sC (its first thread waited)
+  store_tile<128>(d, sC + c * (64 * 128 * 2), tmC, nullptr, N, ti.m_blk, ti.n_blk, c, tid);
+}
+#endif  // TORCH_OPS_GEMM_AMAX_STUB
+
+template <int L0, int L1, int STAGES>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    gemm_amax_pair_kernel(const __grid_constant__ CUtensorMap tmA0, const __grid_constant__ CUtensorMap tmB0,
+                          const __grid_constant__ CUtensorMap tmC0, const __grid_constant__ CUtensorMap tmA1,
+                          const __grid_constant__ CUtensorMap tmB1, const __grid_constant__ CUtensorMap tmC1,
+                          const __grid_constant__ PairDims dims, const __grid_constant__ PairJobs jobs) {
+#ifdef TORCH_OPS_GEMM_AMAX_STUB
+  __trap();
+#else
+  constexpr int kStage = kBM * kBK * 2;  // A's and B's tiles alike (BN = 128)
+  extern __shared__ uint8_t smem_raw[];
+  // [4 j + 1..3]: the amax warps' maxima of job j; from 16: the records'.
+  __shared__ unsigned red[16 + kRedWords];
+  __shared__ int seen;  // ring positions whose stage has landed (the consumers' count)
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sA = smem;
+  uint8_t* sB = smem + STAGES * kStage;
+  uint8_t* sC = sB + STAGES * kStage;  // the epilogue's own 32 KB: the ring keeps loading
+  uint64_t* full = reinterpret_cast<uint64_t*>(sC + kBM * 128 * 2);
+  uint64_t* empty = full + STAGES;
+  uint64_t* amax_free = empty + STAGES;
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
+  const int n_total = ((dims.M[0] + kBM - 1) / kBM) * ((dims.N[0] + 127) / 128) +
+                      ((dims.M[1] + kBM - 1) / kBM) * ((dims.N[1] + 127) / 128);
+  const bool records = jobs.on[0] || jobs.on[1] || jobs.on[2];
+
+  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmA0)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmB0)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmA1)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmB1)) : "memory");
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8);      // the consumer warps release every stage
+      mbar_init(&amax_free[s], 3);  // the amax warps the stages of the positions they hold
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    seen = 0;
+  }
+  if (tid < 16) red[tid] = 0u;
+  __syncthreads();
+
+  if (wg == 0) {
+    if (warp == 0) {
+      if (lane == 0) {
+        pdl_wait();  // the operands' producer is done
+        // held_mask: stages whose last load the amax warps hold; af_parity:
+        // each stage's amax_free phase (its own count: not every load is held).
+        uint32_t held_mask = 0u, af_parity = 0u;
+        int i = 0;
+        for (int t = blockIdx.x; t < n_total; t += gridDim.x) {
+          const PairTile ti = pair_tile(t, dims, jobs);
+          for (int p = 0; p < ti.KL; ++p, ++i) {
+            const int s = i % STAGES, kt = (p + ti.rot) % ti.KL;
+            if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
+            if ((held_mask >> s) & 1u) {
+              mbar_wait(&amax_free[s], (af_parity >> s) & 1u);
+              af_parity ^= 1u << s;
+            }
+            held_mask = (held_mask & ~(1u << s)) | ((p < ti.held ? 1u : 0u) << s);
+            mbar_expect_tx(&full[s], 2 * kStage);
+            if (ti.g == 0)
+              load_stage<128, L0>(sA + s * kStage, sB + s * kStage, &tmA0, &tmB0, &full[s], ti.m_blk, ti.n_blk, kt);
+            else
+              load_stage<128, L1>(sA + s * kStage, sB + s * kStage, &tmA1, &tmB1, &full[s], ti.m_blk, ti.n_blk, kt);
+          }
+        }
+      }
+    } else if (records) {
+      // The amax warps: each tile's first `held` positions pass through
+      // them. Before a held position i whose stage's previous load (i -
+      // STAGES) belongs to an earlier tile, they wait until the consumers
+      // have seen that load land: their wait on full[] for i is then for
+      // the right phase (the producer cannot reload i's stage before they
+      // release it).
+      const int at = tid - 32;  // 0..95
+      uint32_t acc[3] = {0u, 0u, 0u};
+      int i0 = 0;
+      for (int t = blockIdx.x; t < n_total; t += gridDim.x) {
+        const PairTile ti = pair_tile(t, dims, jobs);
+        for (int p = 0; p < ti.held; ++p) {
+          const int i = i0 + p, s = i % STAGES;
+          if (p < STAGES && i >= STAGES) {
+            while (*reinterpret_cast<volatile int*>(&seen) < i - STAGES + 1) __nanosleep(64);
+          }
+          mbar_wait(&full[s], (i / STAGES) & 1);
+          if (p < ti.a_count) amax_into(acc, ti.ja, sA + s * kStage, at);
+          if (p < ti.b_count) amax_into(acc, ti.jb, sB + s * kStage, at);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&amax_free[s]);
+        }
+        i0 += ti.KL;
+      }
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+        acc[j] = __reduce_max_sync(0xFFFFFFFFu, max(acc[j] & 0xFFFFu, acc[j] >> 16));
+        if (lane == 0) red[4 * j + warp] = acc[j] << 16;  // bf16 bits -> float32 bits
+      }
+      named_sync(5, 96);
+      unsigned bits[3];
+#pragma unroll
+      for (int j = 0; j < 3; ++j) bits[j] = max(max(red[4 * j + 1], red[4 * j + 2]), red[4 * j + 3]);
+      named_sync(5, 96);
+      record_by_amax_warps<3>(jobs, bits, at, red + 16);
+    }
+  } else {
+    // The consumers.
+    const int c = wg - 1;
+    int i0 = 0;
+    for (int t = blockIdx.x; t < n_total; t += gridDim.x) {
+      const PairTile ti = pair_tile(t, dims, jobs);
+      if (ti.g == 0)
+        pair_consume<L0, STAGES>(ti, i0, sA, sB, sC, full, empty, &seen, &tmC0, dims.N[0], c, tid);
+      else
+        pair_consume<L1, STAGES>(ti, i0, sA, sB, sC, full, empty, &seen, &tmC1, dims.N[1], c, tid);
+      i0 += ti.KL;
+    }
+    pdl_launch_dependents();
   }
 #endif
 }
@@ -492,6 +731,49 @@ void launch_for(int device, cudaStream_t stream, const CUtensorMap& ta, const CU
   else launch<128, 4, LAYOUT, 1>(device, stream, ta, tb, tc, M, N, K, jobs);
 }
 
+// The two GEMMs of gemm_amax_pair in one launch: a persistent grid of at
+// most one CTA per SM.
+template <int L0, int STAGES>
+void launch_pair(int device, cudaStream_t stream, const CUtensorMap (&maps)[6], const PairDims& dims,
+                 const PairJobs& jobs) {
+  constexpr int kSmem = STAGES * 2 * (kBM * kBK * 2) + kBM * 128 * 2 + 3 * STAGES * 8 + 1024;
+  auto kernel = gemm_amax_pair_kernel<L0, 2, STAGES>;
+  static std::atomic<bool> configured[kMaxDevices];
+  if (device >= 0 && device < kMaxDevices && !configured[device].load(std::memory_order_acquire)) {
+    TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    configured[device].store(true, std::memory_order_release);
+  }
+  long long tiles = 0;
+  for (int g = 0; g < 2; ++g) tiles += (long long)((dims.M[g] + kBM - 1) / kBM) * ((dims.N[g] + 127) / 128);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)std::min<long long>(tiles, device_sms(device)));
+  cfg.blockDim = dim3(kGemmThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  TORCH_OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], dims,
+                                          jobs));
+}
+
+// The (M, N, K) of `a` . `b` in `layout`.
+void gemm_dims(const at::Tensor& a, const at::Tensor& b, int layout, int& M, int& N, int& K) {
+  M = (int)(layout == 2 ? a.size(1) : a.size(0));
+  K = (int)(layout == 2 ? a.size(0) : a.size(1));
+  N = (int)(layout == 0 ? b.size(0) : b.size(1));
+}
+
+// The TMA maps of `a`, `b` and `out` for 128 x 64 (A) and bn x 64 (B) boxes.
+void gemm_maps(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int layout, int bn, int M, int N,
+               int K, CUtensorMap* maps) {
+  maps[0] = layout == 2 ? tensor_map(a, M, K, 64, 64) : tensor_map(a, K, M, 64, 128);
+  maps[1] = layout == 0 ? tensor_map(b, K, N, 64, bn) : tensor_map(b, N, K, 64, 64);
+  maps[2] = tensor_map(out, N, M, 64, 64);
+}
+
 bool is_sm90(int device) {
   static std::atomic<int> cc[kMaxDevices];  // 0: not looked up yet
   if (device < 0 || device >= kMaxDevices) return false;
@@ -550,9 +832,8 @@ bool gemm_amax_bias_applies(const at::Tensor& bias, long long n, const at::Tenso
 at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const AmaxRecord* rec_a,
                      const AmaxRecord* rec_b, int algo, double mdiv, const at::Tensor* bias) {
   TORCH_CHECK(gemm_amax_applies(a, b, layout), "gemm_amax: operands it does not take (see gemm_amax_applies)");
-  const int M = (int)(layout == 2 ? a.size(1) : a.size(0));
-  const int K = (int)(layout == 2 ? a.size(0) : a.size(1));
-  const int N = (int)(layout == 0 ? b.size(0) : b.size(1));
+  int M, N, K;
+  gemm_dims(a, b, layout, M, N, K);
   const c10::cuda::CUDAGuard guard(a.device());
   const int device = (int)a.get_device();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
@@ -586,13 +867,65 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
   const int bn = gemm_amax_wide(M, N, device) ? 256 : 128;
   const int split = (bn == 128 && tiles128 * 2 < sms && (K + 63) / 64 >= 16) ? 2 : 1;
 
-  const CUtensorMap ta = layout == 2 ? tensor_map(a, M, K, 64, 64) : tensor_map(a, K, M, 64, 128);
-  const CUtensorMap tb = layout == 0 ? tensor_map(b, K, N, 64, bn) : tensor_map(b, N, K, 64, 64);
-  const CUtensorMap tc = tensor_map(out, N, M, 64, 64);
-  if (layout == 0) launch_for<0>(device, stream, ta, tb, tc, M, N, K, bn, split, jobs);
-  else if (layout == 1) launch_for<1>(device, stream, ta, tb, tc, M, N, K, bn, split, jobs);
-  else launch_for<2>(device, stream, ta, tb, tc, M, N, K, bn, split, jobs);
+  CUtensorMap maps[3];
+  gemm_maps(a, b, out, layout, bn, M, N, K, maps);
+  if (layout == 0) launch_for<0>(device, stream, maps[0], maps[1], maps[2], M, N, K, bn, split, jobs);
+  else if (layout == 1) launch_for<1>(device, stream, maps[0], maps[1], maps[2], M, N, K, bn, split, jobs);
+  else launch_for<2>(device, stream, maps[0], maps[1], maps[2], M, N, K, bn, split, jobs);
   return out;
+}
+
+// Whether gemm_amax_pair runs a0 . b0 in layout0 (0 or 1) and a1 . b1 in
+// layout 2 with records of histories up to `max_history` entries long.
+bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at::Tensor& a1,
+                            const at::Tensor& b1, long long max_history) {
+  return (layout0 == 0 || layout0 == 1) && max_history <= 96LL * kRecordPer && gemm_amax_applies(a0, b0, layout0) &&
+         gemm_amax_applies(a1, b1, 2) && a0.device() == a1.device();
+}
+
+// (out0, out1) = (a0 . b0 in layout0, a1 . b1 in layout 2) in one launch
+// (gemm_amax_pair_kernel), each bf16; recs: the records of a0, b0, a1, b1
+// (null: none; at most three), as gemm_amax's. Callers check
+// gemm_amax_pair_applies first.
+std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at::Tensor& b0, int layout0,
+                                                 const at::Tensor& a1, const at::Tensor& b1,
+                                                 const AmaxRecord* const (&recs)[4], int algo, double mdiv) {
+  long long max_history = 0;
+  for (const AmaxRecord* r : recs)
+    if (r) max_history = std::max<long long>(max_history, r->hist->numel());
+  TORCH_CHECK(gemm_amax_pair_applies(a0, b0, layout0, a1, b1, max_history),
+              "gemm_amax_pair: operands it does not take (see gemm_amax_pair_applies)");
+  PairDims dims;
+  gemm_dims(a0, b0, layout0, dims.M[0], dims.N[0], dims.K[0]);
+  gemm_dims(a1, b1, 2, dims.M[1], dims.N[1], dims.K[1]);
+  const c10::cuda::CUDAGuard guard(a0.device());
+  const int device = (int)a0.get_device();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  at::Tensor out0 = at::empty({dims.M[0], dims.N[0]}, a0.options());
+  at::Tensor out1 = at::empty({dims.M[1], dims.N[1]}, a1.options());
+
+  PairJobs jobs{};
+  int n = 0;
+  unsigned* wsp = nullptr;
+  for (int q = 0; q < 4; ++q) {
+    int& slot = jobs.job[q / 2][q % 2];
+    slot = -1;
+    if (!recs[q]) continue;
+    TORCH_CHECK(n < 3, "gemm_amax_pair: at most three records, got four");
+    if (!wsp) wsp = state_workspace(a0, stream);
+    // As amax_record_launch: job i's counters at wsp + 2 + 2i, its
+    // scale_used at wsp + 2 + 2 * kMaxRecordJobs + i.
+    float* scratch = reinterpret_cast<float*>(wsp + 2 + 2 * kMaxRecordJobs);
+    jobs.f[n] = record_finalize(*recs[q], wsp + 2 + 2 * n, scratch + n, algo, mdiv);
+    jobs.on[n] = 1;
+    slot = n++;
+  }
+  CUtensorMap maps[6];
+  gemm_maps(a0, b0, out0, layout0, 128, dims.M[0], dims.N[0], dims.K[0], maps);
+  gemm_maps(a1, b1, out1, 2, 128, dims.M[1], dims.N[1], dims.K[1], maps + 3);
+  if (layout0 == 0) launch_pair<0, 5>(device, stream, maps, dims, jobs);
+  else launch_pair<1, 5>(device, stream, maps, dims, jobs);
+  return {out0, out1};
 }
 
 }  // namespace torch_ops

@@ -20,11 +20,14 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <typeinfo>
+#include <utility>
 
 #include "common.h"
 
@@ -447,56 +450,77 @@ at::Tensor small_linear_recorded(const at::Tensor& x2d, const at::Tensor& weight
   return out;
 }
 
-// Whether the small path takes our GEMMs (below) also while captured into a
-// CUDA graph, for a forward output of (M, N) on `device`
-// (set_gemm_amax_in_graphs; otherwise TORCH_OPS_GEMM_AMAX_GRAPHS, read
-// once): 0 never (cuBLAS's GEMMs and the state kernel on a side stream),
-// 1 always, 2 (auto, the default) where the forward takes gemm_amax's wide
-// tiles. In graph replay host time is free and what counts is GPU time:
-// with wide tiles our GEMMs with their records took less than cuBLAS's and
-// the state kernel (4096x1024x1024: 56.5 vs 59.4 us a step), with narrower
-// ones more (1024x2048x1024: 41.0 vs 36.3 us; session 18,
+// The small path's GEMMs while captured into a CUDA graph, for a forward
+// output of (M, N) on `device` (set_gemm_amax_in_graphs; otherwise
+// TORCH_OPS_GEMM_AMAX_GRAPHS, read once): mode 0 cuBLAS's GEMMs and the state
+// kernel on a side stream (kCublas); 1 our GEMMs as eagerly (kOurs: the
+// forward records x and W); 2 (auto, the default) ours, with the forward on
+// cuBLAS where gemm_amax's forward does not take its wide tiles (kOursCublasForward:
+// x and W are recorded by the backward's launch). In graph replay host
+// time is free and what counts is GPU time: our forward is slower than
+// cuBLAS's where its tiles are narrow (1024x2048x1024: 14.3 against 8.9 us)
+// and faster with its records where they are wide (session 18-20,
 // scripts/gemm_amax_graph_probe.py).
+enum class GraphGemms { kCublas, kOurs, kOursCublasForward };
 std::atomic<int> g_gemm_amax_in_graphs{-1};
-bool gemm_amax_in_graphs(long long M, long long N, int device) {
+GraphGemms gemm_amax_in_graphs(long long M, long long N, int device) {
   int mode = g_gemm_amax_in_graphs.load(std::memory_order_relaxed);
   if (mode < 0) {
     static const int env = std::array<int, 3>{2, 0, 1}[env_choice("TORCH_OPS_GEMM_AMAX_GRAPHS", {"auto", "0", "1"}, 0)];
     mode = env;
   }
-  return mode == 1 || (mode == 2 && gemm_amax_wide(M, N, device));
+  if (mode == 0) return GraphGemms::kCublas;
+  if (mode == 1 || gemm_amax_wide(M, N, device)) return GraphGemms::kOurs;
+  return GraphGemms::kOursCublasForward;
 }
 
 // The small path on our own bf16 GEMMs (gemm_amax.cu), which record the
-// amaxes as they read their operands: the forward's GEMM records x's and
-// W's (as the FP8 path's quantizes do, in the forward), dX's the
-// gradient's; dW is cuBLAS's (at::mm). No state kernel reads x, W and the
-// gradient again, and no hooks: one launch in the forward, two in the
-// backward, as nn.Linear. Where the gradient does not suit the kernel (or
-// dX is not needed), the gradient's amax is recorded by a launch of its own.
+// amaxes as they read their operands. The backward is one launch
+// (gemm_amax_pair: dX and dW, recording the gradient's amax); the forward
+// either our GEMM recording x's and W's amaxes (as the FP8 path's
+// quantizes do, in the forward) or, where `fwd_records` is false, cuBLAS's
+// GEMM, and then the backward's launch records x and W too (as the cuBLAS
+// small path's state launch does). No state kernel reads x, W and the
+// gradient again, and no hooks. Where an operand does not suit the kernels
+// (or only one gradient is needed), dX on gemm_amax or cuBLAS, dW on
+// cuBLAS, and what is left to record by a launch of its own.
 struct SmallAmax {
   at::Tensor wd;  // the weight as the kernels read it (contiguous, bf16)
   at::Tensor xs, xh, ws, wh, gs, gh;
-  bool in_out = false;
+  bool in_out = false, fwd_records = true;
   int grad_fmt = 1, algo = 0;
   double mdiv = 1.0;
 };
+
+// SmallAmaxFn's flags beside kInOut and kHasBias: x's and W's records are
+// the backward's.
+constexpr int64_t kRecordInBackward = 512;
 
 class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x2d, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias, const SmallAmax& s) {
     (void)weight;  // s.wd holds its values
-    const AmaxRecord rx{&x2d, &s.xh, &s.xs, kE4M3}, rw{&s.wd, &s.wh, &s.ws, kE4M3};
     const at::Tensor* b = (bias.has_value() && bias->defined()) ? &*bias : nullptr;
-    at::Tensor out = gemm_amax(x2d, s.wd, s.in_out ? 1 : 0, &rx, &rw, s.algo, s.mdiv, b);
-    ctx->save_for_backward({x2d, s.wd});
+    at::Tensor out;
     auto& sd = ctx->saved_data;
+    if (s.fwd_records) {
+      const AmaxRecord rx{&x2d, &s.xh, &s.xs, kE4M3}, rw{&s.wd, &s.wh, &s.ws, kE4M3};
+      out = gemm_amax(x2d, s.wd, s.in_out ? 1 : 0, &rx, &rw, s.algo, s.mdiv, b);
+    } else {
+      out = small_linear(x2d, s.wd, bias, s.in_out);
+      sd["xs"] = s.xs;
+      sd["xh"] = s.xh;
+      sd["ws"] = s.ws;
+      sd["wh"] = s.wh;
+    }
+    ctx->save_for_backward({x2d, s.wd});
     // The grad state is written by the kernels through raw pointers (as in
     // LinearFn): kept without version checks.
     sd["gs"] = s.gs;
     sd["gh"] = s.gh;
-    sd["c"] = (int64_t)(s.grad_fmt | (s.algo << 4) | (s.in_out ? 256 : 0) | (b ? 512 : 0));
+    sd["f"] = (int64_t)((s.in_out ? kInOut : 0) | (b ? kHasBias : 0) | (s.fwd_records ? 0 : kRecordInBackward));
+    sd["c"] = (int64_t)(s.grad_fmt | (s.algo << 8));  // as LinearFn's (no scaling: delayed)
     sd["m"] = s.mdiv;
     return out;
   }
@@ -504,28 +528,51 @@ class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x2d = saved[0], &wd = saved[1];
-    const at::Tensor gs = ctx->saved_data["gs"].toTensor(), gh = ctx->saved_data["gh"].toTensor();
-    const int64_t c = ctx->saved_data["c"].toInt();
-    const int grad_fmt = (int)(c & 15), algo = (int)((c >> 4) & 15);
-    const bool in_out = (c & 256) != 0, has_bias = (c & 512) != 0;
-    const double mdiv = ctx->saved_data["m"].toDouble();
+    auto& sd = ctx->saved_data;
+    const int64_t f = sd["f"].toInt(), c = sd["c"].toInt();
+    const int grad_fmt = (int)(c & 15), algo = (int)((c >> 8) & 15);
+    const bool in_out = f & kInOut, has_bias = f & kHasBias, xw_here = f & kRecordInBackward;
+    const double mdiv = sd["m"].toDouble();
     at::Tensor dx, dw, db;
     if (!grads[0].defined()) return {dx, dw, db, at::Tensor()};
     const at::Tensor g2d = grads[0].contiguous();
-    const AmaxRecord rg{&g2d, &gh, &gs, grad_fmt};
+    const at::Tensor gs = sd["gs"].toTensor(), gh = sd["gh"].toTensor();
+    at::Tensor xs, xh, ws, wh;
+    if (xw_here) xs = sd["xs"].toTensor(), xh = sd["xh"].toTensor(), ws = sd["ws"].toTensor(), wh = sd["wh"].toTensor();
+    const AmaxRecord rg{&g2d, &gh, &gs, grad_fmt}, rx{&x2d, &xh, &xs, kE4M3}, rw{&wd, &wh, &ws, kE4M3};
+    const AmaxRecord* rxp = xw_here ? &rx : nullptr;
+    const AmaxRecord* rwp = xw_here ? &rw : nullptr;
     const int dx_layout = in_out ? 0 : 1;  // g . W^T for a (K, N) weight, g . W for (N, K)
-    bool recorded = false;
-    if (ctx->needs_input_grad(0)) {
-      if (gemm_amax_applies(g2d, wd, dx_layout)) {
-        dx = gemm_amax(g2d, wd, dx_layout, &rg, nullptr, algo, mdiv);
-        recorded = true;
-      } else {
-        const at::Tensor w = wd.to(g2d.scalar_type());
-        dx = in_out ? g2d.mm(w.t()) : g2d.mm(w);
+    // dW in the weight's layout: out_in (N, K) = g^T x, in_out (K, N) = x^T g.
+    const at::Tensor& a1 = in_out ? x2d : g2d;
+    const at::Tensor& b1 = in_out ? g2d : x2d;
+    const long long max_history = std::max({gh.numel(), xw_here ? xh.numel() : 0, xw_here ? wh.numel() : 0});
+    if (ctx->needs_input_grad(0) && ctx->needs_input_grad(1) &&
+        gemm_amax_pair_applies(g2d, wd, dx_layout, a1, b1, max_history)) {
+      const AmaxRecord* recs[4] = {&rg, rwp, in_out ? rxp : nullptr, in_out ? nullptr : rxp};
+      std::tie(dx, dw) = gemm_amax_pair(g2d, wd, dx_layout, a1, b1, recs, algo, mdiv);
+    } else {
+      // What no GEMM below records, in one launch of its own.
+      AmaxRecord left[3];
+      int n_left = 0;
+      bool g_done = false, w_done = false;
+      if (ctx->needs_input_grad(0)) {
+        if (gemm_amax_applies(g2d, wd, dx_layout)) {
+          dx = gemm_amax(g2d, wd, dx_layout, &rg, rwp, algo, mdiv);
+          g_done = w_done = true;
+        } else {
+          const at::Tensor w = wd.to(g2d.scalar_type());
+          dx = in_out ? g2d.mm(w.t()) : g2d.mm(w);
+        }
       }
+      if (!g_done) left[n_left++] = rg;
+      if (xw_here) {
+        left[n_left++] = rx;
+        if (!w_done) left[n_left++] = rw;
+      }
+      if (n_left) amax_record_launch(left, n_left, algo, mdiv);
+      if (ctx->needs_input_grad(1)) dw = small_weight_grad(x2d, g2d, in_out, wd.scalar_type());
     }
-    if (!recorded) amax_record_launch(&rg, 1, algo, mdiv);
-    if (ctx->needs_input_grad(1)) dw = small_weight_grad(x2d, g2d, in_out, wd.scalar_type());
     // needs_input_grad counts the defined tensor inputs only: index 2 exists
     // only with a bias. The bias is in x's dtype, as at::linear's.
     if (has_bias && ctx->needs_input_grad(2)) db = g2d.sum(0);
@@ -610,13 +657,16 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   // while the stream is captured into a CUDA graph, where
   // gemm_amax_in_graphs says (elsewhere cuBLAS's GEMMs with the state
   // kernel on a side stream take less GPU time).
-  const bool small_amax = native_small && record && x2d.scalar_type() == at::kBFloat16 &&
-                          (!bias.has_value() || gemm_amax_bias_applies(*bias, N, x2d)) &&
-                          wd.scalar_type() == at::kBFloat16 && gemm_amax_applies(x2d, wd, in_out ? 1 : 0) &&
-                          (gemm_amax_in_graphs(x2d.size(0), N, (int)x2d.get_device()) ||
-                           !stream_capturing(c10::cuda::getCurrentCUDAStream(x2d.get_device()).stream()));
-  if (small_amax) {
+  const bool small_amax_fits = native_small && record && x2d.scalar_type() == at::kBFloat16 &&
+                               (!bias.has_value() || gemm_amax_bias_applies(*bias, N, x2d)) &&
+                               wd.scalar_type() == at::kBFloat16 && gemm_amax_applies(x2d, wd, in_out ? 1 : 0);
+  const GraphGemms graph_gemms =
+      small_amax_fits && stream_capturing(c10::cuda::getCurrentCUDAStream(x2d.get_device()).stream())
+          ? gemm_amax_in_graphs(x2d.size(0), N, (int)x2d.get_device())
+          : GraphGemms::kOurs;
+  if (small_amax_fits && graph_gemms != GraphGemms::kCublas) {
     SmallAmax s;
+    s.fwd_records = graph_gemms == GraphGemms::kOurs;
     s.wd = wd;
     s.xs = state[0], s.xh = state[1], s.ws = state[2], s.wh = state[3], s.gs = state[4], s.gh = state[5];
     s.in_out = in_out;

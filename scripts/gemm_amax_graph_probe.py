@@ -1,6 +1,7 @@
 """Where the small path's GPU time goes in CUDA-graph replay (session 17):
 the GEMMs of one step as our gemm_amax (with and without its state
-records) and as cuBLAS (torch.mm), each step captured into a graph and
+records) and as cuBLAS (torch.mm), the backward's two GEMMs in one launch
+(gemm_amax_pair, session 20), each step captured into a graph and
 replayed; the whole small-path step (fp8_linear) and nn.Linear's.
 
 Usage (GPU): python scripts/gemm_amax_graph_probe.py
@@ -48,6 +49,13 @@ def main():
             "dX ours, no record": lambda: ext.gemm_amax(g, w, 1, [], [], 1, 0, 0, 1.0),
             "dX ours, record g": lambda: ext.gemm_amax(g, w, 1, st(2), [], 1, 0, 0, 1.0),
             "dW cuBLAS (g^T @ x)": lambda: torch.mm(g.t(), x),
+            "dX + dW cuBLAS": lambda: (torch.mm(g, w), torch.mm(g.t(), x)),
+            "dX + dW ours (one launch), no record":
+                lambda: ext.gemm_amax_pair(g, w, 1, g, x, [[], [], [], []], [0, 0, 0, 0], 0, 1.0),
+            "dX + dW ours (one launch), record g":
+                lambda: ext.gemm_amax_pair(g, w, 1, g, x, [st(2), [], [], []], [1, 0, 0, 0], 0, 1.0),
+            "dX + dW ours (one launch), record g, W, x":
+                lambda: ext.gemm_amax_pair(g, w, 1, g, x, [st(2), st(1), [], st(0)], [1, 0, 0, 0], 0, 1.0),
         }
         lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=bf)
         state = torch_ops.FP8LinearState.create(device="cuda")
@@ -71,6 +79,7 @@ def main():
         rows["step nn.Linear"] = step_bf16
         rows["step fp8_linear, captured: cuBLAS + state kernel"] = in_graphs(0, step_ours)
         rows["step fp8_linear, captured: our GEMMs"] = in_graphs(1, step_ours)
+        rows["step fp8_linear, captured: cuBLAS forward, our backward"] = in_graphs(2, step_ours)
         print(f"\n{M}x{K}x{N}: us per replay (median of 5 x 300)")
         for name, fn in rows.items():
             print(f"  {name:50s} {replay_us(fn):8.2f}")

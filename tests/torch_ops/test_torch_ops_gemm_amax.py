@@ -159,14 +159,133 @@ class GemmAmaxTest(parameterized.TestCase):
         with self.assertRaisesRegex(RuntimeError, "layout: expected 0, 1 or 2"):
             ext.gemm_amax(a, a, 3, [], [], 0, 0, 0, 1.0)
         h, sc = _state()
-        with self.assertRaisesRegex(RuntimeError, r"state_a, state_b: expected \[\] or \[history, scale\]"):
+        with self.assertRaisesRegex(RuntimeError, r"state: expected \[\] or \[history, scale\], got 1"):
             ext.gemm_amax(a, a, 0, [h], [], 0, 0, 0, 1.0)
+        with self.assertRaisesRegex(ValueError, "fmt: expected 0 \\(E4M3\\) or 1"):
+            ext.gemm_amax(a, a, 0, [], [], 2, 0, 0, 1.0)
+        with self.assertRaisesRegex(ValueError, "algo: expected 0 \\(max\\) or 1"):
+            ext.gemm_amax(a, a, 0, [], [], 0, 0, 5, 1.0)
         with self.assertRaisesRegex(RuntimeError, "state history: expected float32"):
             ext.gemm_amax(a, a, 0, [h.double(), sc], [], 0, 0, 0, 1.0)
         with self.assertRaisesRegex(RuntimeError, "state scale: expected one element"):
             ext.gemm_amax(a, a, 0, [h, h], [], 0, 0, 0, 1.0)
         with self.assertRaisesRegex(RuntimeError, "state history: expected device"):
             ext.gemm_amax(a, a, 0, [h.cpu(), sc], [], 0, 0, 0, 1.0)
+
+
+# (M, K, N) of a linear layer whose backward runs as one gemm_amax_pair
+# launch: one tile each, ragged M, more tiles than SMs (several per CTA),
+# one k step per dX tile among long dW tiles (4096 x 1024 x 64) and the
+# reverse with 1024 one-step dW tiles (64 x 4096 x 4096: the amax warps'
+# wait across tiles), the two small-path shapes.
+PAIR_SHAPES = [(8, 8, 8), (136, 72, 24), (300, 64, 48), (129, 520, 264), (1000, 2040, 1016),
+               (4096, 1024, 64), (64, 4096, 4096), (4096, 1024, 1024), (1024, 2048, 1024)]
+
+
+def _pair_operands(M, K, N, in_out, seed, special=False):
+    """The backward's operands: g (M, N), x (M, K), the weight in its layout;
+    and the pair's arguments (a0, b0, layout0, a1, b1): dX = g . W, dW in the
+    weight's layout (out_in g^T x, in_out x^T g)."""
+    g = rand((M, N), BF16, scale=1e-2, special=special, seed=seed)
+    x = rand((M, K), BF16, scale=2.0, special=False, seed=seed + 1)
+    w_nk = rand((N, K), BF16, scale=0.05, special=False, seed=seed + 2)
+    w = w_nk.t().contiguous() if in_out else w_nk
+    args = (g, w, 0, x, g) if in_out else (g, w, 1, g, x)
+    return g, x, w_nk, w, args
+
+
+class GemmAmaxPairTest(parameterized.TestCase):
+    """gemm_amax_pair: dX and dW in one persistent launch, recording g, W, x."""
+
+    @parameterized.product(in_out=[False, True], mkn=PAIR_SHAPES)
+    def test_products_and_state(self, in_out, mkn):
+        """Three calls on fresh data: both products (every element written:
+        outputs poisoned first) within bf16 rounding of float64; the
+        histories and scales of g (E5M2), W and x (E4M3) as the emulation's
+        delayed quantize leaves them, bit for bit."""
+        M, K, N = mkn
+        ext = _ext()
+        states = [_state() for _ in range(3)]
+        refs = [_state() for _ in range(3)]
+        for step in range(3):
+            g, x, w_nk, w, (a0, b0, layout0, a1, b1) = _pair_operands(M, K, N, in_out, seed=50 + 10 * step)
+            recs = [list(states[0]), list(states[1]), [], []]
+            recs[2 if in_out else 3] = list(states[2])
+            fmts = [1, 0, 0, 0]
+            self.assertTrue(ext.gemm_amax_applies(a0, b0, layout0) and ext.gemm_amax_applies(a1, b1, 2))
+            poison()
+            dx, dw = ext.gemm_amax_pair(a0, b0, layout0, a1, b1, recs, fmts, 0, 1.0)
+            torch.cuda.synchronize()
+            dw_nk = dw.t() if in_out else dw
+            self.assertEqual((dx.shape, dw_nk.shape, dx.dtype, dw.dtype), ((M, K), (N, K), BF16, BF16))
+            for out, name in ((dx, "dX"), (dw, "dW")):
+                self.assertFalse(bool(torch.isnan(out).any()), f"{name}: unwritten (poisoned) elements")
+            self.assertLess(relerr(dx, g.double() @ w_nk.double()), 1e-2, f"dX step {step}")
+            self.assertLess(relerr(dw_nk, g.double().t() @ x.double()), 1e-2, f"dW step {step}")
+            for t, (rh, rs), fmt in ((g, refs[0], E5M2), (w_nk, refs[1], E4M3), (x, refs[2], E4M3)):
+                emu.quantize_delayed(t, rh, rs, fmt)
+            for (h, sc), (rh, rs), name in zip(states, refs, ("g", "W", "x")):
+                self.assertTrue(torch.equal(h, rh) and torch.equal(sc, rs), f"{name} step {step}: {h} vs {rh}")
+
+    @parameterized.product(H=[1, 1152], algo=[0, 1])
+    def test_history_lengths_and_no_records(self, H, algo):
+        """Both algorithms at the shortest and longest history the amax warps
+        record; a call without records leaves every state alone and gives
+        the same products."""
+        ext = _ext()
+        states = [_state(H) for _ in range(3)]
+        refs = [_state(H) for _ in range(3)]
+        name = "max" if algo == 0 else "most_recent"
+        for step in range(3):
+            g, x, w_nk, _, args = _pair_operands(1024, 2048, 1024, False, seed=70 + step)
+            dx, dw = ext.gemm_amax_pair(*args, [list(states[0]), list(states[1]), [], list(states[2])],
+                                        [1, 0, 0, 0], algo, 1.0)
+            for t, (rh, rs), fmt in ((g, refs[0], E5M2), (w_nk, refs[1], E4M3), (x, refs[2], E4M3)):
+                emu.quantize_delayed(t, rh, rs, fmt, amax_compute_algo=name)
+            torch.cuda.synchronize()
+            for (h, sc), (rh, rs) in zip(states, refs):
+                self.assertTrue(torch.equal(h, rh) and torch.equal(sc, rs), f"H={H} step {step}")
+        before = [t.clone() for st in states for t in st]
+        dx2, dw2 = ext.gemm_amax_pair(*args, [[], [], [], []], [0, 0, 0, 0], algo, 1.0)
+        # Without records the k loops are not rotated: another sum order.
+        self.assertLess(relerr(dx2, dx.double()), 1e-2)
+        self.assertLess(relerr(dw2, dw.double()), 1e-2)
+        self.assertTrue(all(torch.equal(u, v) for u, v in zip(before, [t for st in states for t in st])))
+
+    def test_non_finite_gradient_records_nothing_for_it(self):
+        """inf / NaN in g: g's history and scale stay as they were; W's and
+        x's record."""
+        ext = _ext()
+        states = [_state() for _ in range(3)]
+        g, x, w_nk, _, (a0, b0, layout0, a1, b1) = _pair_operands(512, 256, 384, False, seed=9)
+        recs = [list(states[0]), list(states[1]), [], list(states[2])]
+        ext.gemm_amax_pair(a0, b0, layout0, a1, b1, recs, [1, 0, 0, 0], 0, 1.0)
+        h0, s0 = states[0][0].clone(), states[0][1].clone()
+        for step, bad in enumerate((float("inf"), float("nan"))):
+            g2 = g.clone()
+            g2.view(-1)[777] = bad
+            ext.gemm_amax_pair(g2, b0, layout0, g2, b1, recs, [1, 0, 0, 0], 0, 1.0)
+            torch.cuda.synchronize()
+            self.assertTrue(torch.equal(states[0][0], h0) and torch.equal(states[0][1], s0), bad)
+            self.assertEqual(states[1][0][step + 1].item(), w_nk.float().abs().max().item())
+            self.assertEqual(states[2][0][step + 1].item(), x.float().abs().max().item())
+
+    def test_bad_arguments_are_named(self):
+        ext = _ext()
+        g, x, _, w, args = _pair_operands(64, 64, 64, False, seed=1)
+        none, zeros = [[], [], [], []], [0, 0, 0, 0]
+        with self.assertRaisesRegex(ValueError, "layout0: expected 0 or 1, got 2"):
+            ext.gemm_amax_pair(g, w, 2, g, x, none, zeros, 0, 1.0)
+        with self.assertRaisesRegex(ValueError, "states, fmts: expected four entries each"):
+            ext.gemm_amax_pair(*args, none[:3], zeros, 0, 1.0)
+        with self.assertRaisesRegex(ValueError, "fmt: expected 0 \\(E4M3\\) or 1"):
+            ext.gemm_amax_pair(*args, none, [0, 0, 3, 0], 0, 1.0)
+        with self.assertRaisesRegex(RuntimeError, "at most three records, got four"):
+            ext.gemm_amax_pair(*args, [list(_state()) for _ in range(4)], zeros, 0, 1.0)
+        with self.assertRaisesRegex(RuntimeError, "histories of at most 1152 entries"):
+            ext.gemm_amax_pair(*args, [list(_state(1153)), [], [], []], zeros, 0, 1.0)
+        with self.assertRaisesRegex(RuntimeError, "a0, b0, a1, b1: expected contiguous"):
+            ext.gemm_amax_pair(g, w, 1, g, x[:, :60].contiguous(), none, zeros, 0, 1.0)
 
 
 def _run(x, w, gy, st, layout, mgs=1 << 40, x_grad=True, bias=None):
@@ -259,14 +378,16 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
                 self.assertTrue(torch.equal(u, v), x_grad)
 
     @parameterized.parameters((1, 1024, 2048, 1024, True, True), (2, 4096, 1024, 1024, True, True),
-                              (2, 1024, 2048, 1024, False, True), (-1, 1024, 2048, 1024, False, False))
+                              (2, 1024, 2048, 1024, False, True), (-1, 1024, 2048, 1024, False, False),
+                              (0, 1024, 2048, 1024, False, True))
     def test_cuda_graph_replay_equals_eager(self, mode, M, K, N, ours, bias):
         """set_gemm_amax_in_graphs(1), and 2 (auto) where the forward takes
-        wide tiles: captured calls take our GEMMs too; replays equal the
-        eager calls bit for bit, state included. Auto elsewhere (also as
-        the environment's default, -1): cuBLAS's GEMMs and the state kernel
-        (outputs within bf16 rounding: the eager forward splits K over two
-        CTAs there), the same state bit for bit."""
+        wide tiles: captured calls take our GEMMs as eager calls do; replays
+        equal them bit for bit, state included. Auto elsewhere (also as the
+        environment's default, -1): cuBLAS's forward (its output within
+        bf16 rounding: the eager forward splits K over two CTAs there) and
+        our backward recording x and W too; 0: cuBLAS's GEMMs and the state
+        kernel. The same state bit for bit in every mode."""
         ext = _ext()
         was = ext.set_gemm_amax_in_graphs(mode)
         self.addCleanup(ext.set_gemm_amax_in_graphs, was)
