@@ -202,15 +202,11 @@ std::vector<at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at::Tensor& b
   const at::Tensor* xs[4] = {&a0, &b0, &a1, &b1};
   torch_ops::AmaxRecord r[4] = {};
   const torch_ops::AmaxRecord* recs[4] = {};
-  long long max_history = 0;
-  for (int q = 0; q < 4; ++q) {
-    if (!test_record(*xs[q], states[q], fmts[q], a0, r[q])) continue;
-    recs[q] = &r[q];
-    max_history = std::max<long long>(max_history, states[q][0].numel());
-  }
-  TORCH_CHECK(torch_ops::gemm_amax_pair_applies(a0, b0, (int)layout0, a1, b1, max_history),
+  for (int q = 0; q < 4; ++q)
+    if (test_record(*xs[q], states[q], fmts[q], a0, r[q])) recs[q] = &r[q];
+  TORCH_CHECK(torch_ops::gemm_amax_pair_applies(a0, b0, (int)layout0, a1, b1),
               "a0, b0, a1, b1: expected contiguous 16-byte-aligned bfloat16 matrices with rows a multiple of 8 "
-              "elements and matching inner dimensions, on one sm_90 device, histories of at most 1152 entries");
+              "elements and matching inner dimensions, on one sm_90 device, with no more tiles than SMs");
   auto out = torch_ops::gemm_amax_pair(a0, b0, (int)layout0, a1, b1, recs, (int)algo, mdiv);
   return {out.first, out.second};
 }
@@ -269,6 +265,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_amax_applies", [](const at::Tensor& a, const at::Tensor& b, int64_t layout) {
     return torch_ops::gemm_amax_applies(a, b, (int)layout);
   });
+  m.def("gemm_amax_pair_applies",
+        [](const at::Tensor& a0, const at::Tensor& b0, int64_t layout0, const at::Tensor& a1, const at::Tensor& b1) {
+          return torch_ops::gemm_amax_pair_applies(a0, b0, (int)layout0, a1, b1);
+        });
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum -> out");
   m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, min_gemm_size -> out "

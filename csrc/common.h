@@ -92,10 +92,11 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
                      const AmaxRecord* rec_b, int algo, double mdiv, const at::Tensor* bias = nullptr);
 // Two of them in one launch (the small path's backward: dX in layout 0 or
 // 1, dW in layout 2): (a0 . b0, a1 . b1); recs: the records of a0, b0, a1,
-// b1 (null: none, at most three non-null), each history at most
-// `max_history` (gemm_amax_pair_applies) entries long.
+// b1 (null: none, at most three non-null). gemm_amax_pair_applies says
+// where it runs: where gemm_amax runs each, and all their tiles fit in one
+// wave of CTAs.
 bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at::Tensor& a1,
-                            const at::Tensor& b1, long long max_history);
+                            const at::Tensor& b1);
 std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at::Tensor& b0, int layout0,
                                                  const at::Tensor& a1, const at::Tensor& b1,
                                                  const AmaxRecord* const (&recs)[4], int algo, double mdiv);

@@ -267,18 +267,25 @@ __device__ __forceinline__ void store_tile(float* d, uint8_t* sC, const CUtensor
 }
 #endif  // TORCH_OPS_GEMM_AMAX_STUB
 
-template <int BN, int STAGES, int LAYOUT, int SPLIT>
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    gemm_amax_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                     const __grid_constant__ CUtensorMap tmC, int M, int N, int K, const GemmAmaxJobs jobs) {
-#ifdef TORCH_OPS_GEMM_AMAX_STUB
-  __trap();
-#else
+#ifndef TORCH_OPS_GEMM_AMAX_STUB
+// Job j's amax bits from the three amax warps' (red[4 j + 1..3]).
+template <int J>
+__device__ __forceinline__ void job_bits(const unsigned* red, unsigned (&bits)[J]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) bits[j] = max(max(red[4 * j + 1], red[4 * j + 2]), red[4 * j + 3]);
+}
+
+// One CTA's work on the output tile `tile` (row-major over the tiles of 128
+// x BN) of one GEMM, split-K rank `rank`: gemm_amax_kernel's and
+// gemm_amax_pair_kernel's body. `ja` / `jb`: the job (of jobs.f / on,
+// J of them) that A's / B's amax goes to, -1: none. `smem`: the stages
+// (1024-aligned), `red`: 16 + kRedWords words ([4 j + 1..3]: the amax
+// warps' maxima of job j; from 16: the records').
+template <int BN, int STAGES, int LAYOUT, int SPLIT, int J, typename Jobs>
+__device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensorMap& tmB, const CUtensorMap& tmC,
+                                          int M, int N, int K, int tile, int rank, int ja, int jb, const Jobs& jobs,
+                                          const __nv_bfloat16* bias, uint8_t* smem, unsigned* red) {
   constexpr int A_BYTES = kBM * kBK * 2, B_BYTES = BN * kBK * 2;
-  extern __shared__ uint8_t smem_raw[];
-  // [1..3] / [9..11]: the amax warps' maxima of A / B; from 16: block_done's.
-  __shared__ unsigned red[16 + kRedWords];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* sA = smem;
   uint8_t* sB = smem + STAGES * A_BYTES;
   // Split-K: rank 1's partial sums land here in rank 0 (st.async), counted
@@ -291,12 +298,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
   const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + kBM - 1) / kBM;
-  const int tile = blockIdx.x / SPLIT, rank = blockIdx.x % SPLIT;
   const int m_blk = tile / n_tiles, n_blk = tile % n_tiles;
   // This CTA's k steps [k0, k0 + KL) (split-K: its half).
   const int kt_all = (K + kBK - 1) / kBK, per_split = (kt_all + SPLIT - 1) / SPLIT;
   const int k0 = rank * per_split, KL = max(0, min(kt_all, k0 + per_split) - k0);
-  const bool amax_a = jobs.on[0] != 0, amax_b = jobs.on[1] != 0;
+  const bool amax_a = ja >= 0, amax_b = jb >= 0;  // this tile's
+  bool any_job = false;  // any CTA's
+#pragma unroll
+  for (int j = 0; j < J; ++j) any_job |= jobs.on[j] != 0;
   // The amax tiles, all in the first positions of each CTA's k loop, so
   // that the amax warps finish (and the last CTA records) while the
   // consumers still multiply. Position p of the loop is k step
@@ -363,16 +372,16 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       a_max = __reduce_max_sync(0xFFFFFFFFu, max(a_max & 0xFFFFu, a_max >> 16));
       b_max = __reduce_max_sync(0xFFFFFFFFu, max(b_max & 0xFFFFu, b_max >> 16));
       if (lane == 0) {  // bf16 bits -> float32 bits
-        red[warp] = a_max << 16;
-        red[8 + warp] = b_max << 16;
+        if (amax_a) red[4 * ja + warp] = a_max << 16;
+        if (amax_b) red[4 * jb + warp] = b_max << 16;
       }
       named_arrive(1, 352);  // the consumers may reuse the stages
-      if (jobs.fast) {
+      if (jobs.fast && any_job) {
         named_sync(5, 96);
-        const unsigned a = max(max(red[1], red[2]), red[3]), b = max(max(red[9], red[10]), red[11]);
+        unsigned bits[J];
+        job_bits(red, bits);
         named_sync(5, 96);  // red[] is reused below
-        const unsigned bits[2] = {a, b};
-        record_by_amax_warps<2>(jobs, bits, at, red + 16);
+        record_by_amax_warps<J>(jobs, bits, at, red + 16);
       }
     }
   } else {
@@ -423,107 +432,62 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // Through shared memory (the stages, free once both warpgroups and
       // the amax warps are done with them): 128-byte swizzled 64 x 64
       // sub-tiles, one TMA store each.
-      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC, jobs.bias, N, m_blk, n_blk, c, tid);
+      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC, bias, N, m_blk, n_blk, c, tid);
     }
   }
   // Otherwise every thread of every CTA: the amaxes into the state (the
   // last CTA records them; block_done needs the whole block).
-  if (!jobs.fast && (amax_a || amax_b)) {
+  if (!jobs.fast && any_job) {
     __syncthreads();
-    const unsigned a = max(max(red[1], red[2]), red[3]), b = max(max(red[9], red[10]), red[11]);
-    if (amax_a) block_done(a, jobs.f[0], red + 16, gridDim.x);
-    __syncthreads();  // block_done's is_last flag, read by all, before the next call writes it
-    if (amax_b) block_done(b, jobs.f[1], red + 16, gridDim.x);
+    unsigned bits[J];
+    job_bits(red, bits);
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      if (!jobs.on[j]) continue;
+      block_done(bits[j], jobs.f[j], red + 16, gridDim.x);
+      __syncthreads();  // block_done's is_last flag, read by all, before the next call writes it
+    }
   }
   if (SPLIT > 1 && !(rank == 1 && wg > 0)) {  // the start's cluster barrier (rank 1's consumers waited)
     __syncwarp();
     cluster_wait();
   }
+}
+#endif  // TORCH_OPS_GEMM_AMAX_STUB
+
+template <int BN, int STAGES, int LAYOUT, int SPLIT>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    gemm_amax_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                     const __grid_constant__ CUtensorMap tmC, int M, int N, int K, const GemmAmaxJobs jobs) {
+#ifdef TORCH_OPS_GEMM_AMAX_STUB
+  __trap();
+#else
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ unsigned red[16 + kRedWords];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  gemm_tile<BN, STAGES, LAYOUT, SPLIT, 2>(tmA, tmB, tmC, M, N, K, blockIdx.x / SPLIT, blockIdx.x % SPLIT,
+                                          jobs.on[0] ? 0 : -1, jobs.on[1] ? 1 : -1, jobs, jobs.bias, smem, red);
 #endif
 }
 
-
 // Two GEMMs in one launch (the small path's backward: dX and dW, both
-// reading the gradient): a persistent grid over both GEMMs' 128 x 128
-// tiles (GEMM 0's first), CTA b taking tiles b, b + grid, ...; one ring of
-// stages runs through all of a CTA's tiles, so the producer loads a tile's
-// first stages while the consumers still multiply or store the one
-// before: one fill and one launch for the two GEMMs. Operand records as
-// gemm_amax's (each tile reads its share of its A row block and B column
-// block into the amax warps, rotated to its first k steps), up to three
-// jobs: job[g][0 / 1] is the job of GEMM g's A / B (-1: none), so that a
-// tensor both GEMMs read is recorded once. The amax warps record (the
-// histories are at most 96 * kRecordPer long). GEMM 0 in layout L0 (0 or
-// 1), GEMM 1 in L1 (2: the weight gradient).
+// reading the gradient): GEMM 0's tiles of 128 x BN on CTAs 0 .. T0 - 1,
+// GEMM 1's on the CTAs after them, each CTA as gemm_amax_kernel's (no
+// split-K, no bias). Up to three records: job[g][0 / 1] is the job of
+// GEMM g's A / B (-1: none), so that a tensor both GEMMs read is recorded
+// once; one count of all CTAs for all jobs. GEMM 0 in layout L0, GEMM 1 in
+// L1.
 struct PairJobs {
   Finalize f[3];
   int on[3];
+  int fast;  // as GemmAmaxJobs's
   int job[2][2];
 };
 struct PairDims {
   int M[2], N[2], K[2];
 };
 
-#ifndef TORCH_OPS_GEMM_AMAX_STUB
-// Tile t's place and its amax share (as gemm_amax_kernel's, per tile).
-struct PairTile {
-  int g, m_blk, n_blk, KL, rot, a_count, b_count, held, ja, jb;
-};
-__device__ __forceinline__ PairTile pair_tile(int t, const PairDims& dims, const PairJobs& jobs) {
-  PairTile r;
-  const int n0 = (dims.N[0] + 127) / 128, t0 = ((dims.M[0] + kBM - 1) / kBM) * n0;
-  r.g = t < t0 ? 0 : 1;
-  const int tt = r.g == 0 ? t : t - t0;
-  const int n_tiles = (dims.N[r.g] + 127) / 128, m_tiles = (dims.M[r.g] + kBM - 1) / kBM;
-  r.m_blk = tt / n_tiles;
-  r.n_blk = tt % n_tiles;
-  r.KL = (dims.K[r.g] + kBK - 1) / kBK;
-  r.ja = jobs.job[r.g][0];
-  r.jb = jobs.job[r.g][1];
-  const int ca = (r.KL + n_tiles - 1) / n_tiles, cb = (r.KL + m_tiles - 1) / m_tiles;
-  r.a_count = r.ja >= 0 ? max(0, min(ca, r.KL - r.n_blk * ca)) : 0;
-  r.b_count = r.jb >= 0 ? max(0, min(cb, r.KL - r.m_blk * cb)) : 0;
-  r.held = max(r.a_count, r.b_count);
-  r.rot = (int)(((long long)(r.jb >= 0 ? r.m_blk * cb : 0) + (r.ja >= 0 ? r.n_blk * ca : 0)) % r.KL);
-  return r;
-}
-
-// acc[j] = max(acc[j], a tile's |x|) for job j (0..2; registers, not an indexed array).
-__device__ __forceinline__ void amax_into(uint32_t (&acc)[3], int j, const uint8_t* tile, int at) {
-#pragma unroll
-  for (int q = 0; q < 3; ++q)
-    if (q == j) acc[q] = amax_tile<kBM * kBK * 2>(tile, at, acc[q]);
-}
-
-// One tile of the consumer warpgroup `c`: its k loop from ring position
-// `i0` (releasing every stage), then its 64 x 128 of the tile through `sC`.
-template <int LAYOUT, int STAGES>
-__device__ __forceinline__ void pair_consume(const PairTile& ti, int i0, uint8_t* sA, uint8_t* sB, uint8_t* sC,
-                                             uint64_t* full, uint64_t* empty, volatile int* seen,
-                                             const CUtensorMap* tmC, int N, int c, int tid) {
-  constexpr int kStage = kBM * kBK * 2;
-  float d[64];
-#pragma unroll
-  for (int q = 0; q < 64; ++q) d[q] = 0.f;
-  const int lane = tid % 32;
-  for (int p = 0; p < ti.KL; ++p) {
-    const int i = i0 + p, s = i % STAGES;
-    mbar_wait(&full[s], (i / STAGES) & 1);
-    if (tid == 128) *seen = i + 1;  // for the amax warps: positions < i + 1 have landed
-    wgmma_fence();
-    mma_stage<128, LAYOUT>(d, sA + s * kStage, sB + s * kStage, c);
-    wgmma_commit();
-    wgmma_wait<1>();
-    if (p > 0 && lane == 0) mbar_arrive(&empty[(i - 1) % STAGES]);
-  }
-  wgmma_wait<0>();
-  if (lane == 0) mbar_arrive(&empty[(i0 + ti.KL - 1) % STAGES]);
-  named_sync(2 + c, 128);  // the previous tile's store has read sC (its first thread waited)
-  store_tile<128>(d, sC + c * (64 * 128 * 2), tmC, nullptr, N, ti.m_blk, ti.n_blk, c, tid);
-}
-#endif  // TORCH_OPS_GEMM_AMAX_STUB
-
-template <int L0, int L1, int STAGES>
+template <int BN, int STAGES, int L0, int L1>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     gemm_amax_pair_kernel(const __grid_constant__ CUtensorMap tmA0, const __grid_constant__ CUtensorMap tmB0,
                           const __grid_constant__ CUtensorMap tmC0, const __grid_constant__ CUtensorMap tmA1,
@@ -532,116 +496,16 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 #ifdef TORCH_OPS_GEMM_AMAX_STUB
   __trap();
 #else
-  constexpr int kStage = kBM * kBK * 2;  // A's and B's tiles alike (BN = 128)
   extern __shared__ uint8_t smem_raw[];
-  // [4 j + 1..3]: the amax warps' maxima of job j; from 16: the records'.
   __shared__ unsigned red[16 + kRedWords];
-  __shared__ int seen;  // ring positions whose stage has landed (the consumers' count)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sA = smem;
-  uint8_t* sB = smem + STAGES * kStage;
-  uint8_t* sC = sB + STAGES * kStage;  // the epilogue's own 32 KB: the ring keeps loading
-  uint64_t* full = reinterpret_cast<uint64_t*>(sC + kBM * 128 * 2);
-  uint64_t* empty = full + STAGES;
-  uint64_t* amax_free = empty + STAGES;
-
-  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
-  const int n_total = ((dims.M[0] + kBM - 1) / kBM) * ((dims.N[0] + 127) / 128) +
-                      ((dims.M[1] + kBM - 1) / kBM) * ((dims.N[1] + 127) / 128);
-  const bool records = jobs.on[0] || jobs.on[1] || jobs.on[2];
-
-  if (tid == 0) {
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmA0)) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmB0)) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmA1)) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmB1)) : "memory");
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);      // the consumer warps release every stage
-      mbar_init(&amax_free[s], 3);  // the amax warps the stages of the positions they hold
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    seen = 0;
-  }
-  if (tid < 16) red[tid] = 0u;
-  __syncthreads();
-
-  if (wg == 0) {
-    if (warp == 0) {
-      if (lane == 0) {
-        pdl_wait();  // the operands' producer is done
-        // held_mask: stages whose last load the amax warps hold; af_parity:
-        // each stage's amax_free phase (its own count: not every load is held).
-        uint32_t held_mask = 0u, af_parity = 0u;
-        int i = 0;
-        for (int t = blockIdx.x; t < n_total; t += gridDim.x) {
-          const PairTile ti = pair_tile(t, dims, jobs);
-          for (int p = 0; p < ti.KL; ++p, ++i) {
-            const int s = i % STAGES, kt = (p + ti.rot) % ti.KL;
-            if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
-            if ((held_mask >> s) & 1u) {
-              mbar_wait(&amax_free[s], (af_parity >> s) & 1u);
-              af_parity ^= 1u << s;
-            }
-            held_mask = (held_mask & ~(1u << s)) | ((p < ti.held ? 1u : 0u) << s);
-            mbar_expect_tx(&full[s], 2 * kStage);
-            if (ti.g == 0)
-              load_stage<128, L0>(sA + s * kStage, sB + s * kStage, &tmA0, &tmB0, &full[s], ti.m_blk, ti.n_blk, kt);
-            else
-              load_stage<128, L1>(sA + s * kStage, sB + s * kStage, &tmA1, &tmB1, &full[s], ti.m_blk, ti.n_blk, kt);
-          }
-        }
-      }
-    } else if (records) {
-      // The amax warps: each tile's first `held` positions pass through
-      // them. Before a held position i whose stage's previous load (i -
-      // STAGES) belongs to an earlier tile, they wait until the consumers
-      // have seen that load land: their wait on full[] for i is then for
-      // the right phase (the producer cannot reload i's stage before they
-      // release it).
-      const int at = tid - 32;  // 0..95
-      uint32_t acc[3] = {0u, 0u, 0u};
-      int i0 = 0;
-      for (int t = blockIdx.x; t < n_total; t += gridDim.x) {
-        const PairTile ti = pair_tile(t, dims, jobs);
-        for (int p = 0; p < ti.held; ++p) {
-          const int i = i0 + p, s = i % STAGES;
-          if (p < STAGES && i >= STAGES) {
-            while (*reinterpret_cast<volatile int*>(&seen) < i - STAGES + 1) __nanosleep(64);
-          }
-          mbar_wait(&full[s], (i / STAGES) & 1);
-          if (p < ti.a_count) amax_into(acc, ti.ja, sA + s * kStage, at);
-          if (p < ti.b_count) amax_into(acc, ti.jb, sB + s * kStage, at);
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&amax_free[s]);
-        }
-        i0 += ti.KL;
-      }
-#pragma unroll
-      for (int j = 0; j < 3; ++j) {
-        acc[j] = __reduce_max_sync(0xFFFFFFFFu, max(acc[j] & 0xFFFFu, acc[j] >> 16));
-        if (lane == 0) red[4 * j + warp] = acc[j] << 16;  // bf16 bits -> float32 bits
-      }
-      named_sync(5, 96);
-      unsigned bits[3];
-#pragma unroll
-      for (int j = 0; j < 3; ++j) bits[j] = max(max(red[4 * j + 1], red[4 * j + 2]), red[4 * j + 3]);
-      named_sync(5, 96);
-      record_by_amax_warps<3>(jobs, bits, at, red + 16);
-    }
+  const int t0 = ((dims.M[0] + kBM - 1) / kBM) * ((dims.N[0] + BN - 1) / BN);
+  if ((int)blockIdx.x < t0) {
+    gemm_tile<BN, STAGES, L0, 1, 3>(tmA0, tmB0, tmC0, dims.M[0], dims.N[0], dims.K[0], blockIdx.x, 0, jobs.job[0][0],
+                                    jobs.job[0][1], jobs, nullptr, smem, red);
   } else {
-    // The consumers.
-    const int c = wg - 1;
-    int i0 = 0;
-    for (int t = blockIdx.x; t < n_total; t += gridDim.x) {
-      const PairTile ti = pair_tile(t, dims, jobs);
-      if (ti.g == 0)
-        pair_consume<L0, STAGES>(ti, i0, sA, sB, sC, full, empty, &seen, &tmC0, dims.N[0], c, tid);
-      else
-        pair_consume<L1, STAGES>(ti, i0, sA, sB, sC, full, empty, &seen, &tmC1, dims.N[1], c, tid);
-      i0 += ti.KL;
-    }
-    pdl_launch_dependents();
+    gemm_tile<BN, STAGES, L1, 1, 3>(tmA1, tmB1, tmC1, dims.M[1], dims.N[1], dims.K[1], blockIdx.x - t0, 0,
+                                    jobs.job[1][0], jobs.job[1][1], jobs, nullptr, smem, red);
   }
 #endif
 }
@@ -691,11 +555,17 @@ int device_sms(int device) {
   return n;
 }
 
+// Shared memory of gemm_amax_kernel<BN, STAGES, *, SPLIT> (and the pair's):
+// the stages, split-K's partial sums, the mbarriers, the 1024 alignment.
+template <int BN, int STAGES, int SPLIT>
+constexpr int gemm_smem_bytes() {
+  return STAGES * (kBM * kBK * 2 + BN * kBK * 2) + (SPLIT > 1 ? kBM * BN * 4 + 8 : 0) + 3 * STAGES * 8 + 1024;
+}
+
 template <int BN, int STAGES, int LAYOUT, int SPLIT>
 void launch(int device, cudaStream_t stream, const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc,
             int M, int N, int K, const GemmAmaxJobs& jobs) {
-  constexpr int kSmem =
-      STAGES * (kBM * kBK * 2 + BN * kBK * 2) + (SPLIT > 1 ? kBM * BN * 4 + 8 : 0) + 3 * STAGES * 8 + 1024;
+  constexpr int kSmem = gemm_smem_bytes<BN, STAGES, SPLIT>();
   auto kernel = gemm_amax_kernel<BN, STAGES, LAYOUT, SPLIT>;
   static std::atomic<bool> configured[kMaxDevices];
   if (device >= 0 && device < kMaxDevices && !configured[device].load(std::memory_order_acquire)) {
@@ -731,22 +601,20 @@ void launch_for(int device, cudaStream_t stream, const CUtensorMap& ta, const CU
   else launch<128, 4, LAYOUT, 1>(device, stream, ta, tb, tc, M, N, K, jobs);
 }
 
-// The two GEMMs of gemm_amax_pair in one launch: a persistent grid of at
-// most one CTA per SM.
-template <int L0, int STAGES>
+// The two GEMMs of gemm_amax_pair in one launch, one CTA per tile.
+template <int BN, int L0>
 void launch_pair(int device, cudaStream_t stream, const CUtensorMap (&maps)[6], const PairDims& dims,
-                 const PairJobs& jobs) {
-  constexpr int kSmem = STAGES * 2 * (kBM * kBK * 2) + kBM * 128 * 2 + 3 * STAGES * 8 + 1024;
-  auto kernel = gemm_amax_pair_kernel<L0, 2, STAGES>;
+                 const PairJobs& jobs, int tiles) {
+  constexpr int kStages = 4;
+  constexpr int kSmem = gemm_smem_bytes<BN, kStages, 1>();
+  auto kernel = gemm_amax_pair_kernel<BN, kStages, L0, 2>;
   static std::atomic<bool> configured[kMaxDevices];
   if (device >= 0 && device < kMaxDevices && !configured[device].load(std::memory_order_acquire)) {
     TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     configured[device].store(true, std::memory_order_release);
   }
-  long long tiles = 0;
-  for (int g = 0; g < 2; ++g) tiles += (long long)((dims.M[g] + kBM - 1) / kBM) * ((dims.N[g] + 127) / 128);
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)std::min<long long>(tiles, device_sms(device)));
+  cfg.gridDim = dim3((unsigned)tiles);
   cfg.blockDim = dim3(kGemmThreads);
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
@@ -875,12 +743,39 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
   return out;
 }
 
+namespace {
+// The tile width of gemm_amax_pair for its GEMMs of `dims` on a GPU of
+// `sms` SMs, 0 where it does not run: all tiles in one wave (one CTA per
+// SM), 128 x 256 where those fill three quarters of the GPU or more (the
+// fewest bytes read per multiply-add), else 128 x 128.
+int pair_bn(const PairDims& dims, int sms) {
+  long long t[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    const int bn = 128 << i;
+    for (int g = 0; g < 2; ++g) t[i] += (long long)((dims.M[g] + kBM - 1) / kBM) * ((dims.N[g] + bn - 1) / bn);
+  }
+  if (t[1] <= sms && t[1] * 4 >= 3LL * sms) return 256;
+  return t[0] <= sms ? 128 : 0;
+}
+
+bool pair_dims(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at::Tensor& a1, const at::Tensor& b1,
+               PairDims& dims) {
+  if ((layout0 != 0 && layout0 != 1) || !gemm_amax_applies(a0, b0, layout0) || !gemm_amax_applies(a1, b1, 2) ||
+      a0.device() != a1.device())
+    return false;
+  gemm_dims(a0, b0, layout0, dims.M[0], dims.N[0], dims.K[0]);
+  gemm_dims(a1, b1, 2, dims.M[1], dims.N[1], dims.K[1]);
+  return true;
+}
+}  // namespace
+
 // Whether gemm_amax_pair runs a0 . b0 in layout0 (0 or 1) and a1 . b1 in
-// layout 2 with records of histories up to `max_history` entries long.
+// layout 2: as gemm_amax_applies for each, on one device, where all their
+// tiles fit in one wave (pair_bn).
 bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at::Tensor& a1,
-                            const at::Tensor& b1, long long max_history) {
-  return (layout0 == 0 || layout0 == 1) && max_history <= 96LL * kRecordPer && gemm_amax_applies(a0, b0, layout0) &&
-         gemm_amax_applies(a1, b1, 2) && a0.device() == a1.device();
+                            const at::Tensor& b1) {
+  PairDims dims;
+  return pair_dims(a0, b0, layout0, a1, b1, dims) && pair_bn(dims, device_sms((int)a0.get_device())) > 0;
 }
 
 // (out0, out1) = (a0 . b0 in layout0, a1 . b1 in layout 2) in one launch
@@ -890,16 +785,12 @@ bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layo
 std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at::Tensor& b0, int layout0,
                                                  const at::Tensor& a1, const at::Tensor& b1,
                                                  const AmaxRecord* const (&recs)[4], int algo, double mdiv) {
-  long long max_history = 0;
-  for (const AmaxRecord* r : recs)
-    if (r) max_history = std::max<long long>(max_history, r->hist->numel());
-  TORCH_CHECK(gemm_amax_pair_applies(a0, b0, layout0, a1, b1, max_history),
-              "gemm_amax_pair: operands it does not take (see gemm_amax_pair_applies)");
   PairDims dims;
-  gemm_dims(a0, b0, layout0, dims.M[0], dims.N[0], dims.K[0]);
-  gemm_dims(a1, b1, 2, dims.M[1], dims.N[1], dims.K[1]);
-  const c10::cuda::CUDAGuard guard(a0.device());
+  const bool fits = pair_dims(a0, b0, layout0, a1, b1, dims);
   const int device = (int)a0.get_device();
+  const int bn = fits ? pair_bn(dims, device_sms(device)) : 0;
+  TORCH_CHECK(bn > 0, "gemm_amax_pair: operands it does not take (see gemm_amax_pair_applies)");
+  const c10::cuda::CUDAGuard guard(a0.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   at::Tensor out0 = at::empty({dims.M[0], dims.N[0]}, a0.options());
   at::Tensor out1 = at::empty({dims.M[1], dims.N[1]}, a1.options());
@@ -907,6 +798,7 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
   PairJobs jobs{};
   int n = 0;
   unsigned* wsp = nullptr;
+  jobs.fast = 1;  // the amax warps record, unless a history is longer than they take (or nothing is recorded)
   for (int q = 0; q < 4; ++q) {
     int& slot = jobs.job[q / 2][q % 2];
     slot = -1;
@@ -918,13 +810,22 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
     float* scratch = reinterpret_cast<float*>(wsp + 2 + 2 * kMaxRecordJobs);
     jobs.f[n] = record_finalize(*recs[q], wsp + 2 + 2 * n, scratch + n, algo, mdiv);
     jobs.on[n] = 1;
+    if (jobs.f[n].H > 96LL * kRecordPer) jobs.fast = 0;
     slot = n++;
   }
+  if (n == 0) jobs.fast = 0;
   CUtensorMap maps[6];
-  gemm_maps(a0, b0, out0, layout0, 128, dims.M[0], dims.N[0], dims.K[0], maps);
-  gemm_maps(a1, b1, out1, 2, 128, dims.M[1], dims.N[1], dims.K[1], maps + 3);
-  if (layout0 == 0) launch_pair<0, 5>(device, stream, maps, dims, jobs);
-  else launch_pair<1, 5>(device, stream, maps, dims, jobs);
+  gemm_maps(a0, b0, out0, layout0, bn, dims.M[0], dims.N[0], dims.K[0], maps);
+  gemm_maps(a1, b1, out1, 2, bn, dims.M[1], dims.N[1], dims.K[1], maps + 3);
+  int tiles = 0;
+  for (int g = 0; g < 2; ++g) tiles += ((dims.M[g] + kBM - 1) / kBM) * ((dims.N[g] + bn - 1) / bn);
+  if (bn == 256) {
+    if (layout0 == 0) launch_pair<256, 0>(device, stream, maps, dims, jobs, tiles);
+    else launch_pair<256, 1>(device, stream, maps, dims, jobs, tiles);
+  } else {
+    if (layout0 == 0) launch_pair<128, 0>(device, stream, maps, dims, jobs, tiles);
+    else launch_pair<128, 1>(device, stream, maps, dims, jobs, tiles);
+  }
   return {out0, out1};
 }
 

@@ -20,7 +20,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdlib>
@@ -546,9 +545,7 @@ class SmallAmaxFn : public torch::autograd::Function<SmallAmaxFn> {
     // dW in the weight's layout: out_in (N, K) = g^T x, in_out (K, N) = x^T g.
     const at::Tensor& a1 = in_out ? x2d : g2d;
     const at::Tensor& b1 = in_out ? g2d : x2d;
-    const long long max_history = std::max({gh.numel(), xw_here ? xh.numel() : 0, xw_here ? wh.numel() : 0});
-    if (ctx->needs_input_grad(0) && ctx->needs_input_grad(1) &&
-        gemm_amax_pair_applies(g2d, wd, dx_layout, a1, b1, max_history)) {
+    if (ctx->needs_input_grad(0) && ctx->needs_input_grad(1) && gemm_amax_pair_applies(g2d, wd, dx_layout, a1, b1)) {
       const AmaxRecord* recs[4] = {&rg, rwp, in_out ? rxp : nullptr, in_out ? nullptr : rxp};
       std::tie(dx, dw) = gemm_amax_pair(g2d, wd, dx_layout, a1, b1, recs, algo, mdiv);
     } else {
@@ -660,9 +657,13 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   const bool small_amax_fits = native_small && record && x2d.scalar_type() == at::kBFloat16 &&
                                (!bias.has_value() || gemm_amax_bias_applies(*bias, N, x2d)) &&
                                wd.scalar_type() == at::kBFloat16 && gemm_amax_applies(x2d, wd, in_out ? 1 : 0);
+  // (The mode is looked up on every such call: an unknown value of its
+  // environment variable warns at the first, captured or not.)
+  const GraphGemms graph_mode =
+      small_amax_fits ? gemm_amax_in_graphs(x2d.size(0), N, (int)x2d.get_device()) : GraphGemms::kOurs;
   const GraphGemms graph_gemms =
       small_amax_fits && stream_capturing(c10::cuda::getCurrentCUDAStream(x2d.get_device()).stream())
-          ? gemm_amax_in_graphs(x2d.size(0), N, (int)x2d.get_device())
+          ? graph_mode
           : GraphGemms::kOurs;
   if (small_amax_fits && graph_gemms != GraphGemms::kCublas) {
     SmallAmax s;
