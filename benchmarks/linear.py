@@ -277,7 +277,7 @@ def print_summary(summary):
         print(f"| {M}x{K}x{N} | {t['bf16']:.3f} | {ao} | {t['floor']:.3f} | {t['gemms']:.3f} | {t['ours_fp8']:.3f} "
               f"| {t['ours']:.3f} | {t['bf16'] / t['ours']:.2f}x | {vs_ao} | {t['ours_fp8'] / t['floor']:.2f} "
               f"| {t['ours'] / t['floor']:.2f} | {t['gemms'] / t['floor']:.2f} "
-              + (f"| {t['bf16_g']:.3f} | {t['ours_g']:.3f} | {t['bf16_g'] / t['ours_g']:.2f}x " if t["ours_g"]
+              + (f"| {t['bf16_g']:.4f} | {t['ours_g']:.4f} | {t['bf16_g'] / t['ours_g']:.3f}x " if t["ours_g"]
                  and t["bf16_g"] else "| - | - | - ")
               + (f"| {t['floor_g']:.3f} | {t['ours_g'] / t['floor_g']:.2f} |" if t["ours_g"] and t["floor_g"]
                  else "| - | - |"))
