@@ -6,7 +6,7 @@
 // path keeps the FP8 state warm without reading x, W and the gradient again
 // and without a state launch of its own (docs/torch_ops.md). Its GPU time
 // is 0.90-0.94x of cuBLAS's at 4096x1024x1024 and 0.62-0.93x at
-// 1024x2048x1024 (CUDA-graph replay, no records; session 18); eagerly,
+// 1024x2048x1024 (CUDA-graph replay, no records; sessions 18-20); eagerly,
 // where these shapes are host-bound, its shorter host path makes the small
 // path 1.13-1.25x of nn.Linear (docs/benchmarks.md, session 18).
 //
@@ -26,8 +26,17 @@
 // order of the k steps changes with the rotation, not the result's
 // determinism). 16-bit |x| maxima as packed unsigned
 // halves (NaN > inf > finite, as the quantize kernels). Split-K over a
-// two-CTA cluster (rank 1 sends its partial sums into rank 0's shared memory by st.async)
-// where the output has too few tiles to fill the GPU.
+// two-CTA cluster (rank 1 sends its partial sums into rank 0's shared
+// memory by st.async) where the output has too few tiles to fill the GPU.
+//
+// gemm_amax_pair: the small path's backward, dX and dW, in one launch (one
+// CTA per tile of either GEMM, the same body), up to three records (g, W,
+// x). Where the two GEMMs' 128 x 256 tiles fill one wave (1024x2048x1024:
+// 64 + 64 CTAs) it reads fewer bytes per multiply-add than cuBLAS's two
+// GEMMs' and takes one launch: 15.6 us against 17.0-17.4 without records,
+// 17.5 with the three (CUDA-graph replay, session 20). A persistent
+// version with 128 x 128 tiles (a ring of stages through each CTA's tiles)
+// took 21.1 (commit bee097b).
 //
 // Layouts (all row-major, contiguous): 0: out (M, N) = a (M, K) . b (N, K)^T
 // (the forward, out_in weight); 1: a (M, K) . b (K, N) (the forward of an
