@@ -1,6 +1,7 @@
 """gemm_amax (csrc/gemm_amax.cu): the small path's bf16 GEMM that records its
-operands' amax, and fp8_linear's small path on it (SmallAmaxFn in
-csrc/linear.cpp). Hopper (sm_90) only; skips elsewhere, as in CI.
+operands' amax, gemm_amax_pair (dX and dW in one launch), and fp8_linear's
+small path on them (SmallAmaxFn in csrc/linear.cpp). Hopper (sm_90) only;
+skips elsewhere, as in CI.
 
 References: the product in float64 (bf16 output: relative error below
 1e-2), the state of the emulation's delayed quantize (bit for bit), the
@@ -313,11 +314,14 @@ def _data(M, K, N, layout, seed, w_dtype=BF16):
 class SmallPathOnGemmAmaxTest(parameterized.TestCase):
     """fp8_linear below min_gemm_size with bf16 x and weight: our GEMMs."""
 
-    @parameterized.product(layout=["out_in", "in_out"], mkn=[(96, 64, 48), (1024, 512, 256), (4096, 1024, 1024)],
+    @parameterized.product(layout=["out_in", "in_out"],
+                           mkn=[(96, 64, 48), (1024, 512, 256), (4096, 1024, 1024), (1024, 2048, 1024)],
                            bias=[False, True])
     def test_state_like_fp8_path_and_products(self, layout, mkn, bias):
         """Fresh data each step: the state equals the FP8 path's bit for bit
-        (x and W recorded in the forward, the gradient in the backward);
+        (x and W recorded in the forward, the gradient in the backward: one
+        gemm_amax_pair launch where dX's and dW's tiles fit one wave, 128 x
+        256 at 1024x2048x1024; dX ours and dW cuBLAS's at 4096x1024x1024);
         output and gradients (the bias's too) within bf16 rounding of
         float64."""
         M, K, N = mkn
@@ -381,17 +385,21 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
             for u, v in zip(st.tensors(), st_ref.tensors()):
                 self.assertTrue(torch.equal(u, v), x_grad)
 
-    @parameterized.parameters((1, 1024, 2048, 1024, True, True), (2, 4096, 1024, 1024, True, True),
-                              (2, 1024, 2048, 1024, False, True), (-1, 1024, 2048, 1024, False, False),
-                              (0, 1024, 2048, 1024, False, True))
-    def test_cuda_graph_replay_equals_eager(self, mode, M, K, N, ours, bias):
+    @parameterized.parameters((1, 1024, 2048, 1024, True, True, True), (2, 4096, 1024, 1024, True, True, True),
+                              (2, 1024, 2048, 1024, False, True, True), (-1, 1024, 2048, 1024, False, False, True),
+                              (0, 1024, 2048, 1024, False, True, True), (2, 4096, 1024, 512, False, False, True),
+                              (2, 1024, 2048, 1024, False, False, False))
+    def test_cuda_graph_replay_equals_eager(self, mode, M, K, N, ours, bias, x_grad):
         """set_gemm_amax_in_graphs(1), and 2 (auto) where the forward takes
         wide tiles: captured calls take our GEMMs as eager calls do; replays
         equal them bit for bit, state included. Auto elsewhere (also as the
         environment's default, -1): cuBLAS's forward (its output within
         bf16 rounding: the eager forward splits K over two CTAs there) and
-        our backward recording x and W too; 0: cuBLAS's GEMMs and the state
-        kernel. The same state bit for bit in every mode."""
+        our backward recording x and W too, in one launch where dX's and
+        dW's tiles fit one wave, else dX recording g and W and a launch for
+        x (4096x1024x512), or, with no dX needed, one launch for all three;
+        0: cuBLAS's GEMMs and the state kernel. The same state bit for bit
+        in every mode."""
         ext = _ext()
         was = ext.set_gemm_amax_in_graphs(mode)
         self.addCleanup(ext.set_gemm_amax_in_graphs, was)
@@ -401,10 +409,10 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
         b = rand((N,), BF16, scale=1.0, special=False, seed=15) if bias else None
         grads = [gy, 2 * gy, 0.5 * gy]
         st_e = torch_ops.FP8LinearState.create(8, device=DEV)
-        eager = [_run(x, w, g, st_e, "out_in", bias=b) for g in grads]
+        eager = [_run(x, w, g, st_e, "out_in", bias=b, x_grad=x_grad) for g in grads]
         st = torch_ops.FP8LinearState.create(8, device=DEV)
         warm = torch_ops.FP8LinearState.create(8, device=DEV)
-        leaves = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
+        leaves = [t.clone().requires_grad_(t is not x or x_grad) for t in (x, w, b) if t is not None]
         sg = torch.empty_like(gy)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -424,7 +432,9 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
             cg.replay()
             torch.cuda.synchronize()
             for got, ref in zip([y] + [t.grad for t in leaves], want):
-                if ours:
+                if ref is None:  # x without a gradient
+                    self.assertIsNone(got)
+                elif ours:
                     self.assertTrue(torch.equal(got, ref))
                 else:
                     self.assertLess(relerr(got, ref), 1e-2)
