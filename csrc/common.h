@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -159,6 +160,30 @@ bool stream_capturing(cudaStream_t stream);
   } while (0)
 
 namespace torch_ops {
+// `device`'s value of `attr`, looked up once per device (through `cache`:
+// zero until then; devices past kMaxDevices are looked up every call).
+inline int cached_device_attribute(std::atomic<int> (&cache)[kMaxDevices], cudaDeviceAttr attr, int device) {
+  const bool cached = device >= 0 && device < kMaxDevices;
+  int v = cached ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (v == 0) {
+    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, device));
+    if (cached) cache[device].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// The SM count of `device`, and its compute capability as major * 10 +
+// minor: the per-device attributes the launches size and choose by.
+inline int device_sm_count(int device) {
+  static std::atomic<int> cache[kMaxDevices];
+  return cached_device_attribute(cache, cudaDevAttrMultiProcessorCount, device);
+}
+inline int device_capability(int device) {
+  static std::atomic<int> major[kMaxDevices], minor[kMaxDevices];
+  return 10 * cached_device_attribute(major, cudaDevAttrComputeCapabilityMajor, device) +
+         cached_device_attribute(minor, cudaDevAttrComputeCapabilityMinor, device);
+}
+
 // Makes `t`'s device current for the scope, switching (and switching back)
 // only when it is not current already: a CUDAGuard's set and restore are
 // runtime calls on every launch, host time that the small path pays per step.

@@ -287,13 +287,16 @@ __device__ __forceinline__ void job_bits(const unsigned* red, unsigned (&bits)[J
 // One CTA's work on the output tile `tile` (row-major over the tiles of 128
 // x BN) of one GEMM, split-K rank `rank`: gemm_amax_kernel's and
 // gemm_amax_pair_kernel's body. `ja` / `jb`: the job (of jobs.f / on,
-// J of them) that A's / B's amax goes to, -1: none. `smem`: the stages
-// (1024-aligned), `red`: 16 + kRedWords words ([4 j + 1..3]: the amax
-// warps' maxima of job j; from 16: the records').
+// J of them) that A's / B's amax goes to, -1: none. `smem_raw`: the
+// kernel's dynamic shared memory (the stages from its first 1024-byte
+// boundary).
 template <int BN, int STAGES, int LAYOUT, int SPLIT, int J, typename Jobs>
 __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensorMap& tmB, const CUtensorMap& tmC,
                                           int M, int N, int K, int tile, int rank, int ja, int jb, const Jobs& jobs,
-                                          const __nv_bfloat16* bias, uint8_t* smem, unsigned* red) {
+                                          const __nv_bfloat16* bias, uint8_t* smem_raw) {
+  // [4 j + 1..3]: the amax warps' maxima of job j; from 16: the records'.
+  __shared__ unsigned red[16 + kRedWords];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   constexpr int A_BYTES = kBM * kBK * 2, B_BYTES = BN * kBK * 2;
   uint8_t* sA = smem;
   uint8_t* sB = smem + STAGES * A_BYTES;
@@ -472,10 +475,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   __trap();
 #else
   extern __shared__ uint8_t smem_raw[];
-  __shared__ unsigned red[16 + kRedWords];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   gemm_tile<BN, STAGES, LAYOUT, SPLIT, 2>(tmA, tmB, tmC, M, N, K, blockIdx.x / SPLIT, blockIdx.x % SPLIT,
-                                          jobs.on[0] ? 0 : -1, jobs.on[1] ? 1 : -1, jobs, jobs.bias, smem, red);
+                                          jobs.on[0] ? 0 : -1, jobs.on[1] ? 1 : -1, jobs, jobs.bias, smem_raw);
 #endif
 }
 
@@ -506,15 +507,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   __trap();
 #else
   extern __shared__ uint8_t smem_raw[];
-  __shared__ unsigned red[16 + kRedWords];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int t0 = ((dims.M[0] + kBM - 1) / kBM) * ((dims.N[0] + BN - 1) / BN);
   if ((int)blockIdx.x < t0) {
     gemm_tile<BN, STAGES, L0, 1, 3>(tmA0, tmB0, tmC0, dims.M[0], dims.N[0], dims.K[0], blockIdx.x, 0, jobs.job[0][0],
-                                    jobs.job[0][1], jobs, nullptr, smem, red);
+                                    jobs.job[0][1], jobs, nullptr, smem_raw);
   } else {
     gemm_tile<BN, STAGES, L1, 1, 3>(tmA1, tmB1, tmC1, dims.M[1], dims.N[1], dims.K[1], blockIdx.x - t0, 0,
-                                    jobs.job[1][0], jobs.job[1][1], jobs, nullptr, smem, red);
+                                    jobs.job[1][0], jobs.job[1][1], jobs, nullptr, smem_raw);
   }
 #endif
 }
@@ -553,16 +552,6 @@ CUtensorMap tensor_map(const at::Tensor& t, uint64_t inner, uint64_t outer, uint
   return m;
 }
 
-int device_sms(int device) {
-  static std::atomic<int> sms[kMaxDevices];
-  if (device < 0 || device >= kMaxDevices) return 132;
-  int n = sms[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    sms[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
 
 // Shared memory of gemm_amax_kernel<BN, STAGES, *, SPLIT> (and the pair's):
 // the stages, split-K's partial sums, the mbarriers, the 1024 alignment.
@@ -651,19 +640,7 @@ void gemm_maps(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, 
   maps[2] = tensor_map(out, N, M, 64, 64);
 }
 
-bool is_sm90(int device) {
-  static std::atomic<int> cc[kMaxDevices];  // 0: not looked up yet
-  if (device < 0 || device >= kMaxDevices) return false;
-  int v = cc[device].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int major = 0, minor = 0;
-    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    v = major * 10 + minor;
-    cc[device].store(v, std::memory_order_relaxed);
-  }
-  return v == 90;
-}
+bool is_sm90(int device) { return device >= 0 && device_capability(device) == 90; }
 
 bool tma_ready(const at::Tensor& t) {
   return t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.is_contiguous() && t.is_cuda() &&
@@ -692,7 +669,7 @@ bool gemm_amax_applies(const at::Tensor& a, const at::Tensor& b, int layout) {
 // fill most of the GPU (three quarters of its SMs or more).
 bool gemm_amax_wide(long long M, long long N, int device) {
   const long long tiles256 = ((M + 127) / 128) * ((N + 255) / 256);
-  return tiles256 * 4 >= 3LL * device_sms(device);
+  return tiles256 * 4 >= 3LL * device_sm_count(device);
 }
 
 // Whether gemm_amax adds `bias` to an output of `n` columns like `like`'s.
@@ -739,7 +716,7 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
   }
   // Tiles of 128 x 256 where they fill most of the GPU, else 128 x 128, with
   // split-K over two CTAs where those leave half of it idle and K is long.
-  const int sms = device_sms(device);
+  const int sms = device_sm_count(device);
   const long long tiles128 = (long long)((M + 127) / 128) * ((N + 127) / 128);
   const int bn = gemm_amax_wide(M, N, device) ? 256 : 128;
   const int split = (bn == 128 && tiles128 * 2 < sms && (K + 63) / 64 >= 16) ? 2 : 1;
@@ -784,7 +761,7 @@ bool pair_dims(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at
 bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at::Tensor& a1,
                             const at::Tensor& b1) {
   PairDims dims;
-  return pair_dims(a0, b0, layout0, a1, b1, dims) && pair_bn(dims, device_sms((int)a0.get_device())) > 0;
+  return pair_dims(a0, b0, layout0, a1, b1, dims) && pair_bn(dims, device_sm_count((int)a0.get_device())) > 0;
 }
 
 // (out0, out1) = (a0 . b0 in layout0, a1 . b1 in layout 2) in one launch
@@ -797,7 +774,7 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
   PairDims dims;
   const bool fits = pair_dims(a0, b0, layout0, a1, b1, dims);
   const int device = (int)a0.get_device();
-  const int bn = fits ? pair_bn(dims, device_sms(device)) : 0;
+  const int bn = fits ? pair_bn(dims, device_sm_count(device)) : 0;
   TORCH_CHECK(bn > 0, "gemm_amax_pair: operands it does not take (see gemm_amax_pair_applies)");
   const c10::cuda::CUDAGuard guard(a0.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();

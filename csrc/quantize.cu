@@ -709,14 +709,12 @@ __global__ void record_amax_kernel(const float* amax, Finalize f) {
   if (!finalize_one_pass(a, f, smem)) record_in_block(a, f, smem);
 }
 
+// The current device's SM count (the launches below run under a
+// DeviceScope of their tensor).
 int num_sms() {
-  static int n = -1;
-  if (n < 0) {
-    int dev;
-    TORCH_OPS_CUDA_CHECK(cudaGetDevice(&dev));
-    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  }
-  return n;
+  int dev;
+  TORCH_OPS_CUDA_CHECK(cudaGetDevice(&dev));
+  return device_sm_count(dev);
 }
 
 // Whether the lean kernels may start early after the delayed pre-pass
@@ -734,14 +732,8 @@ std::atomic<int> g_lean_pdl{-1};  // -1: as TORCH_OPS_PDL says
 bool pdl_enabled(int device) {
   int allowed = g_lean_pdl.load(std::memory_order_relaxed);
   if (allowed < 0) allowed = pdl_from_env();
-  static std::atomic<int> major[kMaxDevices];  // 0: not looked up yet
-  if (allowed == 0 || device < 0 || device >= kMaxDevices) return false;
-  int m = major[device].load(std::memory_order_relaxed);
-  if (m == 0) {
-    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
-    major[device].store(m, std::memory_order_relaxed);
-  }
-  return m >= 9;
+  if (allowed == 0 || device < 0) return false;
+  return device_capability(device) >= 90;
 }
 
 // `kernel<<<blocks, kThreads, 0, stream>>>(args...)`, with the programmatic
