@@ -40,6 +40,12 @@ inline int env_choice(const char* name, std::initializer_list<const char*> choic
   return dflt;
 }
 
+// An on/off setting: 1, true, on, yes / 0, false, off, no; unset or empty
+// gives `dflt`, anything else warns (env_choice) and gives `dflt`.
+inline bool env_flag(const char* name, bool dflt) {
+  return env_choice(name, {"0", "false", "off", "no", "1", "true", "on", "yes"}, dflt ? 4 : 0) >= 4;
+}
+
 // "(4, 7)" / "(5,)" as Python prints a shape tuple.
 inline std::string shape_str(const at::Tensor& t) {
   std::string s = "(";

@@ -51,13 +51,6 @@ namespace {
 constexpr size_t kWorkspaceBytes = 32u << 20;
 constexpr int kMaxCandidates = 16;
 
-bool env_flag(const char* name, bool dflt) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || v[0] == 0) return dflt;
-  return !(std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0 || std::strcmp(v, "off") == 0 ||
-           std::strcmp(v, "no") == 0);
-}
-
 bool autotune_enabled() {
   static const bool on = env_flag("TORCH_OPS_GEMM_AUTOTUNE", true);
   return on;

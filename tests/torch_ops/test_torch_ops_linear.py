@@ -362,7 +362,8 @@ class LinearFastPathTest(parameterized.TestCase):
         training call (M = 64: below min_gemm_size) with a float32 weight
         (cuBLAS's GEMMs and the state launch) and with a bf16 one (our GEMMs,
         which read TORCH_OPS_GEMM_AMAX and TORCH_OPS_GEMM_AMAX_GRAPHS), and an
-        FP8 one (M = 4096), twice each, in a fresh process)."""
+        FP8 one (M = 4096: cuBLASLt's GEMMs, autotuned), twice each, in a
+        fresh process)."""
         import os
         import subprocess
         import sys
@@ -381,7 +382,8 @@ class LinearFastPathTest(parameterized.TestCase):
             "torch.cuda.synchronize(); print('ok')\n")
         bad = {"TORCH_OPS_SMALL_RECORD_STREAM": "7", "TORCH_OPS_QTILE": "v9", "TORCH_OPS_PDL": "maybe",
                "TORCH_OPS_DELAYED_PREPASS": "2", "TORCH_OPS_LEAN": "fast", "TORCH_OPS_GEMM_AMAX": "yes",
-               "TORCH_OPS_GEMM_AMAX_GRAPHS": "sometimes"}
+               "TORCH_OPS_GEMM_AMAX_GRAPHS": "sometimes", "TORCH_OPS_GEMM_AUTOTUNE": "perhaps",
+               "TORCH_OPS_GEMM_VARIANTS": "2", "TORCH_OPS_GEMM_AUTOTUNE_LOG": "loud"}
         out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **bad), capture_output=True,
                              text=True, timeout=600)
         self.assertEqual(out.returncode, 0, out.stderr[-2000:])
