@@ -154,6 +154,22 @@ __device__ __forceinline__ void block_reduce_max2(unsigned& a, unsigned& b, unsi
 // check + record_in_block (which remain for histories longer than
 // kHistPer * blockDim.x, or a seed history other than the recorded one).
 // Returns false where it does not apply (nothing done then).
+// The record's two scale rules, shared by finalize_one_pass and
+// gemm_amax.cu's record by its amax warps. The scale this call quantized
+// with: from its amax where it seeds (`from_amax`: current scaling, or an
+// empty history), else the state's `prev`.
+__device__ __forceinline__ float record_scale_used(float amax, float prev, bool from_amax, const Finalize& f) {
+  return from_amax ? compute_scale(amax, prev, f.fmax, f.mdiv) : prev;
+}
+// The next scale from the history of H entries after this call: most_recent
+// (algo 1) its newest entry (`amax` where it was shifted in, else the
+// newest before, `newest`), max (algo 0) the window's maximum bits `m`.
+__device__ __forceinline__ float record_next_scale(float amax, bool shifted, float newest, unsigned m, long long H,
+                                                   float used, const Finalize& f) {
+  const float window = f.algo == 1 ? (H > 0 ? (shifted ? amax : newest) : 0.f) : __uint_as_float(m);
+  return compute_scale(window, used, f.fmax, f.mdiv);
+}
+
 __device__ bool finalize_one_pass(float amax, const Finalize& f, unsigned* smem) {
   if (f.seed_mode == 1 && f.history && f.seed_history != f.history) return false;
   const float* h = f.history ? f.history : (f.seed_mode == 1 ? f.seed_history : nullptr);
@@ -188,17 +204,13 @@ __device__ bool finalize_one_pass(float amax, const Finalize& f, unsigned* smem)
     float used;
     if (f.seed_mode) {
       const float prev = f.prev_scale ? *f.prev_scale : 1.0f;
-      const bool from_amax = f.seed_mode == 2 || nonzero == 0u;
-      used = from_amax ? compute_scale(amax, prev, f.fmax, f.mdiv) : prev;
+      used = record_scale_used(amax, prev, f.seed_mode == 2 || nonzero == 0u, f);
       *f.scale_used_out = used;
     } else {
       used = *f.scale_used;
     }
-    if (f.history) {
-      // v[0] of thread 0 is the newest entry before this call.
-      const float window = f.algo == 1 ? (H > 0 ? (shift ? amax : v[0]) : 0.f) : __uint_as_float(m);
-      *f.scale_state = compute_scale(window, used, f.fmax, f.mdiv);
-    }
+    // v[0] of thread 0 is the newest entry before this call.
+    if (f.history) *f.scale_state = record_next_scale(amax, shift, v[0], m, H, used, f);
   }
   return true;
 }

@@ -193,11 +193,10 @@ __device__ __forceinline__ void record_by_amax_warps(const Jobs& jobs, const uns
       }
       if (at == 0) f.history[0] = amax[j];
     }
-    if (at == 0) {
-      const float used = nz == 0u ? compute_scale(amax[j], prev[j], f.fmax, f.mdiv) : prev[j];
+    if (at == 0) {  // v[j][0] of thread 0: the newest entry before this call
+      const float used = record_scale_used(amax[j], prev[j], nz == 0u, f);
       *f.scale_used_out = used;
-      const float window = f.algo == 1 ? (f.H > 0 ? (shift[j] ? amax[j] : v[j][0]) : 0.f) : __uint_as_float(mm);
-      *f.scale_state = compute_scale(window, used, f.fmax, f.mdiv);
+      *f.scale_state = record_next_scale(amax[j], shift[j], v[j][0], mm, f.H, used, f);
     }
   }
 }
