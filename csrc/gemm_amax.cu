@@ -559,35 +559,45 @@ constexpr int gemm_smem_bytes() {
   return STAGES * (kBM * kBK * 2 + BN * kBK * 2) + (SPLIT > 1 ? kBM * BN * 4 + 8 : 0) + 3 * STAGES * 8 + 1024;
 }
 
-template <int BN, int STAGES, int LAYOUT, int SPLIT>
-void launch(int device, cudaStream_t stream, const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc,
-            int M, int N, int K, const GemmAmaxJobs& jobs) {
-  constexpr int kSmem = gemm_smem_bytes<BN, STAGES, SPLIT>();
-  auto kernel = gemm_amax_kernel<BN, STAGES, LAYOUT, SPLIT>;
+// Launches `Kernel` (kGemmThreads threads, `smem` bytes of dynamic shared
+// memory, allowed once per device) on `blocks` CTAs in clusters of
+// `cluster` along x, as a programmatic dependent launch (the kernels wait
+// for their operands' producer before their first load).
+template <auto Kernel, typename... Args>
+void launch_gemm(int device, cudaStream_t stream, unsigned blocks, int smem, int cluster, const Args&... args) {
   static std::atomic<bool> configured[kMaxDevices];
   if (device >= 0 && device < kMaxDevices && !configured[device].load(std::memory_order_acquire)) {
-    TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     configured[device].store(true, std::memory_order_release);
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(((M + kBM - 1) / kBM) * ((N + BN - 1) / BN) * SPLIT));
+  cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(kGemmThreads);
-  cfg.dynamicSmemBytes = kSmem;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attrs[2];
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[0].val.programmaticStreamSerializationAllowed = 1;
   int n = 1;
-  if (SPLIT > 1) {
+  if (cluster > 1) {
     attrs[1].id = cudaLaunchAttributeClusterDimension;
-    attrs[1].val.clusterDim.x = SPLIT;
+    attrs[1].val.clusterDim.x = cluster;
     attrs[1].val.clusterDim.y = 1;
     attrs[1].val.clusterDim.z = 1;
     n = 2;
   }
   cfg.attrs = attrs;
   cfg.numAttrs = n;
-  TORCH_OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta, tb, tc, M, N, K, jobs));
+  TORCH_OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, Kernel, args...));
+}
+
+template <int BN, int STAGES, int LAYOUT, int SPLIT>
+void launch(int device, cudaStream_t stream, const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc,
+            int M, int N, int K, const GemmAmaxJobs& jobs) {
+  const unsigned blocks = (unsigned)(((M + kBM - 1) / kBM) * ((N + BN - 1) / BN) * SPLIT);
+  launch_gemm<gemm_amax_kernel<BN, STAGES, LAYOUT, SPLIT>>(device, stream, blocks,
+                                                           gemm_smem_bytes<BN, STAGES, SPLIT>(), SPLIT, ta, tb, tc, M,
+                                                           N, K, jobs);
 }
 
 template <int LAYOUT>
@@ -603,25 +613,17 @@ template <int BN, int L0>
 void launch_pair(int device, cudaStream_t stream, const CUtensorMap (&maps)[6], const PairDims& dims,
                  const PairJobs& jobs, int tiles) {
   constexpr int kStages = 4;
-  constexpr int kSmem = gemm_smem_bytes<BN, kStages, 1>();
-  auto kernel = gemm_amax_pair_kernel<BN, kStages, L0, 2>;
-  static std::atomic<bool> configured[kMaxDevices];
-  if (device >= 0 && device < kMaxDevices && !configured[device].load(std::memory_order_acquire)) {
-    TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    configured[device].store(true, std::memory_order_release);
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)tiles);
-  cfg.blockDim = dim3(kGemmThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  TORCH_OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], dims,
-                                          jobs));
+  launch_gemm<gemm_amax_pair_kernel<BN, kStages, L0, 2>>(device, stream, (unsigned)tiles,
+                                                         gemm_smem_bytes<BN, kStages, 1>(), 1, maps[0], maps[1],
+                                                         maps[2], maps[3], maps[4], maps[5], dims, jobs);
+}
+
+// Record job `i`'s Finalize in the state workspace `wsp`, as
+// amax_record_launch lays it out: its counters at wsp + 2 + 2i, its
+// scale_used at wsp + 2 + 2 * kMaxRecordJobs + i.
+Finalize job_finalize(const AmaxRecord& r, unsigned* wsp, int i, int algo, double mdiv) {
+  float* scratch = reinterpret_cast<float*>(wsp + 2 + 2 * kMaxRecordJobs);
+  return record_finalize(r, wsp + 2 + 2 * i, scratch + i, algo, mdiv);
 }
 
 // The (M, N, K) of `a` . `b` in `layout`.
@@ -701,12 +703,9 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
   const AmaxRecord* recs[2] = {rec_a, rec_b};
   if (rec_a || rec_b) {
     unsigned* wsp = state_workspace(a, stream);
-    // As amax_record_launch: job i's counters at wsp + 2 + 2i, its
-    // scale_used at wsp + 2 + 2 * kMaxRecordJobs + i.
-    float* scratch = reinterpret_cast<float*>(wsp + 2 + 2 * kMaxRecordJobs);
     for (int i = 0; i < 2; ++i) {
       if (!recs[i]) continue;
-      jobs.f[i] = record_finalize(*recs[i], wsp + 2 + 2 * i, scratch + i, algo, mdiv);
+      jobs.f[i] = job_finalize(*recs[i], wsp, i, algo, mdiv);
       jobs.on[i] = 1;
     }
     jobs.fast = 1;
@@ -790,10 +789,7 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
     if (!recs[q]) continue;
     TORCH_CHECK(n < 3, "gemm_amax_pair: at most three records, got four");
     if (!wsp) wsp = state_workspace(a0, stream);
-    // As amax_record_launch: job i's counters at wsp + 2 + 2i, its
-    // scale_used at wsp + 2 + 2 * kMaxRecordJobs + i.
-    float* scratch = reinterpret_cast<float*>(wsp + 2 + 2 * kMaxRecordJobs);
-    jobs.f[n] = record_finalize(*recs[q], wsp + 2 + 2 * n, scratch + n, algo, mdiv);
+    jobs.f[n] = job_finalize(*recs[q], wsp, n, algo, mdiv);
     jobs.on[n] = 1;
     if (jobs.f[n].H > 96LL * kRecordPer) jobs.fast = 0;
     slot = n++;

@@ -1,6 +1,6 @@
 #pragma once
 // Hopper (sm_90a) PTX wrappers shared by the kernels that use TMA, mbarriers
-// and wgmma (gemm_amax.cu; scripts/gemm_amax_probe.cu): shared-memory
+// and wgmma (gemm_amax.cu): shared-memory
 // addresses, mbarrier init / arrive / wait, 2-D TMA loads and stores, named
 // and cluster barriers, the wgmma fence / commit / wait, the shared-memory
 // matrix descriptors of 128-byte-swizzled tiles, and the packed 16-bit |x|
@@ -55,13 +55,8 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 __device__ __forceinline__ void named_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The two halves of cluster_sync_all, for a warp with work between them.
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
+// The cluster barrier's halves: a relaxed arrive (no memory ordering), and
+// the wait (acquire).
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
