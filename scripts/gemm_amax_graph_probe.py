@@ -2,10 +2,17 @@
 the GEMMs of one step as our gemm_amax (with and without its state
 records) and as cuBLAS (torch.mm), the backward's two GEMMs in one launch
 (gemm_amax_pair, session 20), each step captured into a graph and
-replayed; the whole small-path step (fp8_linear) and nn.Linear's.
+replayed; the whole small-path step (fp8_linear) and nn.Linear's. Each
+row: back-to-back replays (GPU time), one synchronized replay per sample
+as benchmarks/linear.py's graph column (that also holds the host's
+launch of the graph until its first kernel), and the host's time in
+graph.replay() alone.
 
 Usage (GPU): python scripts/gemm_amax_graph_probe.py
 """
+
+import statistics
+import time
 
 import torch
 
@@ -27,7 +34,17 @@ def replay_us(fn, iters=300):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / iters)
-    return sorted(times)[2]
+    back_to_back = sorted(times)[2]
+    isolated, host = [], []
+    for _ in range(200):
+        start.record()
+        t0 = time.perf_counter()
+        g.replay()
+        host.append((time.perf_counter() - t0) * 1e6)
+        end.record()
+        end.synchronize()
+        isolated.append(start.elapsed_time(end) * 1000)
+    return back_to_back, statistics.median(isolated), statistics.median(host)
 
 
 def main():
@@ -48,9 +65,25 @@ def main():
             "dX cuBLAS (g @ W)": lambda: torch.mm(g, w),
             "dX ours, no record": lambda: ext.gemm_amax(g, w, 1, [], [], 1, 0, 0, 1.0),
             "dX ours, record g": lambda: ext.gemm_amax(g, w, 1, st(2), [], 1, 0, 0, 1.0),
+            "dX ours, record g and W": lambda: ext.gemm_amax(g, w, 1, st(2), st(1), 1, 0, 0, 1.0),
             "dW cuBLAS (g^T @ x)": lambda: torch.mm(g.t(), x),
+            "dW ours, no record": lambda: ext.gemm_amax(g, x, 2, [], [], 1, 0, 0, 1.0),
+            "dW ours, record x": lambda: ext.gemm_amax(g, x, 2, [], st(0), 1, 0, 0, 1.0),
+            "dW ours, record g and x": lambda: ext.gemm_amax(g, x, 2, st(2), st(0), 1, 0, 0, 1.0),
+            # Three GEMMs of a step, raw (no autograd), by where the records go.
+            "3 GEMMs cuBLAS": lambda: (torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)),
+            "3 GEMMs: fwd ours (x, W), dX ours (g), dW cuBLAS": lambda: (
+                ext.gemm_amax(x, w, 0, st(0), st(1), 0, 0, 0, 1.0), ext.gemm_amax(g, w, 1, st(2), [], 1, 0, 0, 1.0),
+                torch.mm(g.t(), x)),
+            "3 GEMMs: fwd cuBLAS, dX ours (g, W), dW ours (x)": lambda: (
+                torch.mm(x, w.t()), ext.gemm_amax(g, w, 1, st(2), st(1), 1, 0, 0, 1.0),
+                ext.gemm_amax(g, x, 2, [], st(0), 1, 0, 0, 1.0)),
+            "3 GEMMs: fwd cuBLAS, dX cuBLAS, dW ours (g, x) + W's fwd ours": lambda: (
+                ext.gemm_amax(x, w, 0, [], st(1), 0, 0, 0, 1.0), torch.mm(g, w),
+                ext.gemm_amax(g, x, 2, st(2), st(0), 1, 0, 0, 1.0)),
             "dX + dW cuBLAS": lambda: (torch.mm(g, w), torch.mm(g.t(), x)),
         }
+
         if ext.gemm_amax_pair_applies(g, w, 1, g, x):  # all tiles in one wave
             rows["dX + dW ours (one launch), no record"] = \
                 lambda: ext.gemm_amax_pair(g, w, 1, g, x, [[], [], [], []], [0, 0, 0, 0], 0, 1.0)
@@ -91,9 +124,11 @@ def main():
             rows["step fp8_linear, captured: cuBLAS + state kernel" + tag] = wrap(in_graphs(0, step_ours))
             rows["step fp8_linear, captured: our GEMMs" + tag] = wrap(in_graphs(1, step_ours))
             rows["step fp8_linear, captured: auto (mode 2)" + tag] = wrap(in_graphs(2, step_ours))
-        print(f"\n{M}x{K}x{N}: us per replay (median of 5 x 300)")
+        print(f"\n{M}x{K}x{N}: us per replay: back to back (median of 5 x 300) | one synchronized replay "
+              "(median of 200, as linear.py) | host time in replay()")
         for name, fn in rows.items():
-            print(f"  {name:68s} {replay_us(fn):8.2f}")
+            b2b, iso, host = replay_us(fn)
+            print(f"  {name:68s} {b2b:8.2f} | {iso:8.2f} | {host:6.1f}")
 
 
 if __name__ == "__main__":
