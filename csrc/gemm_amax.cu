@@ -239,7 +239,7 @@ __device__ __forceinline__ void mma_stage(float* d, const uint8_t* sA, const uin
 
 // Consumer warpgroup `c`'s 64 x BN of the tile (m_blk, n_blk) out of its
 // fragment `d` (+ `bias` per column, may be null) into `sC` (its 64 x BN
-// bf16 as 128-byte-swizzled 64 x 64 sub-tiles, 16 KB per 64 columns, free
+// bf16 as 128-byte-swizzled 64 x 64 sub-tiles, 8 KB per 64 columns, free
 // for writing), then one TMA store per sub-tile by its first thread (who
 // waits until the stores have read sC). Named barrier 2 + c.
 template <int BN>
