@@ -147,13 +147,6 @@ __device__ __forceinline__ void block_reduce_max2(unsigned& a, unsigned& b, unsi
   b = smem[32];
 }
 
-// The last block's seed + record in one pass over the history: each thread
-// holds up to kHistPer entries in registers, one two-value reduction gives
-// "history not empty" (seed rule) and the window max after the shift, then
-// the shifted history is written back. Same results as block_done's seed
-// check + record_in_block (which remain for histories longer than
-// kHistPer * blockDim.x, or a seed history other than the recorded one).
-// Returns false where it does not apply (nothing done then).
 // The record's two scale rules, shared by finalize_one_pass and
 // gemm_amax.cu's record by its amax warps. The scale this call quantized
 // with: from its amax where it seeds (`from_amax`: current scaling, or an
@@ -170,6 +163,13 @@ __device__ __forceinline__ float record_next_scale(float amax, bool shifted, flo
   return compute_scale(window, used, f.fmax, f.mdiv);
 }
 
+// The last block's seed + record in one pass over the history: each thread
+// holds up to kHistPer entries in registers, one two-value reduction gives
+// "history not empty" (seed rule) and the window max after the shift, then
+// the shifted history is written back. Same results as block_done's seed
+// check + record_in_block (which remain for histories longer than
+// kHistPer * blockDim.x, or a seed history other than the recorded one).
+// Returns false where it does not apply (nothing done then).
 __device__ bool finalize_one_pass(float amax, const Finalize& f, unsigned* smem) {
   if (f.seed_mode == 1 && f.history && f.seed_history != f.history) return false;
   const float* h = f.history ? f.history : (f.seed_mode == 1 ? f.seed_history : nullptr);

@@ -197,7 +197,8 @@ def _pair_operands(M, K, N, in_out, seed, special=False):
 
 
 class GemmAmaxPairTest(parameterized.TestCase):
-    """gemm_amax_pair: dX and dW in one persistent launch, recording g, W, x."""
+    """gemm_amax_pair: dX and dW in one launch (one CTA per tile of either),
+    recording g, W, x."""
 
     @parameterized.product(in_out=[False, True], mkn=PAIR_SHAPES)
     def test_products_and_state(self, in_out, mkn):
