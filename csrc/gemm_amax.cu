@@ -78,7 +78,18 @@ struct GemmAmaxJobs {
   // most kRecordPer * 96 entries); 0: block_done by the whole last CTA.
   int fast;
   const __nv_bfloat16* bias;
+  int warp_stores;  // exp: each warp TMA-stores its 16 rows of each sub-tile (C box 64 x 16)
 };
+
+// exp/gemm-phases: a per-CTA trace of the kernel's phases (null: off).
+// 16 u64 per CTA in the order the CTAs started (g_trace_ticket).
+__device__ unsigned long long* g_trace;
+__device__ unsigned g_trace_ticket;
+__device__ __forceinline__ unsigned long long gtimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 #ifndef TORCH_OPS_GEMM_AMAX_STUB
 using namespace sm90;  // NOLINT: the PTX wrappers
@@ -244,7 +255,7 @@ __device__ __forceinline__ void mma_stage(float* d, const uint8_t* sA, const uin
 // waits until the stores have read sC). Named barrier 2 + c.
 template <int BN>
 __device__ __forceinline__ void store_tile(float* d, uint8_t* sC, const CUtensorMap* tmC, const __nv_bfloat16* bias,
-                                           int N, int m_blk, int n_blk, int c, int tid) {
+                                           int N, int m_blk, int n_blk, int c, int tid, int warp_stores) {
   const int lane = tid % 32, w = (tid / 32) % 4;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
@@ -265,6 +276,17 @@ __device__ __forceinline__ void store_tile(float* d, uint8_t* sC, const CUtensor
     }
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  if (warp_stores) {  // this warp's 16 rows of each sub-tile
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll
+      for (int sub = 0; sub < BN / 64; ++sub)
+        tma_store(tmC, sC + sub * 8192 + w * 2048, n_blk * BN + sub * 64, m_blk * kBM + c * 64 + w * 16);
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    }
+    return;
+  }
   named_sync(2 + c, 128);
   if (tid % 128 == 0) {
 #pragma unroll
@@ -295,6 +317,8 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
                                           const __nv_bfloat16* bias, uint8_t* smem_raw) {
   // [4 j + 1..3]: the amax warps' maxima of job j; from 16: the records'.
   __shared__ unsigned red[16 + kRedWords];
+  __shared__ unsigned long long* trace_row;
+  unsigned long long* const tr0 = g_trace;
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   constexpr int A_BYTES = kBM * kBK * 2, B_BYTES = BN * kBK * 2;
   uint8_t* sA = smem;
@@ -334,6 +358,15 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
   const int rot = KL > 0 ? (int)(((long long)(amax_b ? m_blk * cb : 0) + (amax_a ? n_blk * ca : 0)) % KL) : 0;
 
   if (tid == 0) {
+    if (tr0) {
+      unsigned long long* row = tr0 + 16ull * atomicAdd(&g_trace_ticket, 1u);
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      row[0] = blockIdx.x | ((unsigned long long)smid << 32);
+      row[1] = gtimer();
+      row[2] = clock64();
+      trace_row = row;
+    }
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmA)) : "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmB)) : "memory");
     for (int s = 0; s < STAGES; ++s) {
@@ -349,6 +382,8 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
   }
   if (tid < 16) red[tid] = 0u;
   __syncthreads();
+  unsigned long long* const tr = tr0 ? trace_row : nullptr;
+  if (tr && tid == 0) tr[3] = clock64();
   // Split-K: rank 0's red_full initialized before rank 1 stores into it
   // (rank 1's consumers wait for this barrier before their st.async,
   // every other thread at the end).
@@ -358,6 +393,7 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
     if (warp == 0) {
       if (lane == 0) {
         pdl_wait();  // the operands' producer is done
+        if (tr) tr[4] = clock64();
         for (int i = 0; i < KL; ++i) {
           const int s = i % STAGES, kt = k0 + (i + rot) % KL;
           if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
@@ -380,6 +416,7 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
         __syncwarp();
         if (lane == 0) mbar_arrive(&amax_free[s]);
       }
+      if (tr && at == 0) tr[11] = clock64();
       a_max = __reduce_max_sync(0xFFFFFFFFu, max(a_max & 0xFFFFu, a_max >> 16));
       b_max = __reduce_max_sync(0xFFFFFFFFu, max(b_max & 0xFFFFu, b_max >> 16));
       if (lane == 0) {  // bf16 bits -> float32 bits
@@ -393,6 +430,7 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
         job_bits(red, bits);
         named_sync(5, 96);  // red[] is reused below
         record_by_amax_warps<J>(jobs, bits, at, red + 16);
+        if (tr && at == 0) tr[12] = clock64();
       }
     }
   } else {
@@ -404,6 +442,7 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
     for (int i = 0; i < KL; ++i) {
       const int s = i % STAGES;
       mbar_wait(&full[s], (i / STAGES) & 1);
+      if (tr && i == 0 && tid == 128) tr[5] = clock64(), tr[6] = gtimer();
       wgmma_fence();
       mma_stage<BN, LAYOUT>(d, sA + s * A_BYTES, sB + s * B_BYTES, c);
       wgmma_commit();
@@ -411,6 +450,8 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
       if (i > 0 && lane == 0) mbar_arrive(&empty[(i - 1) % STAGES]);
     }
     wgmma_wait<0>();
+    if (tr && tid == 128) tr[7] = clock64();
+    if (tr && tid == 256) tr[13] = clock64();
     bool store = true;
     if (SPLIT > 1) {
       // Rank 1 sends its partial sums into rank 0's red_area (one float4
@@ -439,12 +480,14 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
     }
     pdl_launch_dependents();
     named_sync(1, 352);  // the amax warps are done with the stages (also where nothing is stored: rank 1)
+    if (tr && tid == 128) tr[8] = clock64();
     if (store) {
       // Through shared memory (the stages, free once both warpgroups and
       // the amax warps are done with them): 128-byte swizzled 64 x 64
       // sub-tiles, one TMA store each.
-      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC, bias, N, m_blk, n_blk, c, tid);
+      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC, bias, N, m_blk, n_blk, c, tid, jobs.warp_stores);
     }
+    if (tr && tid == 128) tr[9] = clock64(), tr[10] = gtimer();
   }
   // Otherwise every thread of every CTA: the amaxes into the state (the
   // last CTA records them; block_done needs the whole block).
@@ -491,6 +534,7 @@ struct PairJobs {
   int on[3];
   int fast;  // as GemmAmaxJobs's
   int job[2][2];
+  int warp_stores;
 };
 struct PairDims {
   int M[2], N[2], K[2];
@@ -568,6 +612,12 @@ void launch_gemm(int device, cudaStream_t stream, unsigned blocks, int smem, int
   static std::atomic<bool> configured[kMaxDevices];
   if (device >= 0 && device < kMaxDevices && !configured[device].load(std::memory_order_acquire)) {
     TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    static const int carveout = [] {  // exp: TORCH_OPS_GEMM_AMAX_CARVEOUT (percent), unset: the driver's choice
+      const char* v = std::getenv("TORCH_OPS_GEMM_AMAX_CARVEOUT");
+      return v && *v ? std::atoi(v) : -1;
+    }();
+    if (carveout >= 0)
+      TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
     configured[device].store(true, std::memory_order_release);
   }
   cudaLaunchConfig_t cfg = {};
@@ -633,12 +683,18 @@ void gemm_dims(const at::Tensor& a, const at::Tensor& b, int layout, int& M, int
   N = (int)(layout == 0 ? b.size(0) : b.size(1));
 }
 
+// exp: TORCH_OPS_GEMM_AMAX_WARP_STORES=1: each warp stores its rows.
+int warp_stores() {
+  static const int on = env_flag("TORCH_OPS_GEMM_AMAX_WARP_STORES", false) ? 1 : 0;
+  return on;
+}
+
 // The TMA maps of `a`, `b` and `out` for 128 x 64 (A) and bn x 64 (B) boxes.
 void gemm_maps(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int layout, int bn, int M, int N,
                int K, CUtensorMap* maps) {
   maps[0] = layout == 2 ? tensor_map(a, M, K, 64, 64) : tensor_map(a, K, M, 64, 128);
   maps[1] = layout == 0 ? tensor_map(b, K, N, 64, bn) : tensor_map(b, N, K, 64, 64);
-  maps[2] = tensor_map(out, N, M, 64, 64);
+  maps[2] = tensor_map(out, N, M, 64, warp_stores() ? 16 : 64);
 }
 
 bool is_sm90(int device) { return device >= 0 && device_capability(device) == 90; }
@@ -700,6 +756,7 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
                 ",) tensor on the operands' device, 4-byte aligned");
     jobs.bias = reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr());
   }
+  jobs.warp_stores = warp_stores();
   const AmaxRecord* recs[2] = {rec_a, rec_b};
   if (rec_a || rec_b) {
     unsigned* wsp = state_workspace(a, stream);
@@ -795,6 +852,7 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
     slot = n++;
   }
   if (n == 0) jobs.fast = 0;
+  jobs.warp_stores = warp_stores();
   CUtensorMap maps[6];
   gemm_maps(a0, b0, out0, layout0, bn, dims.M[0], dims.N[0], dims.K[0], maps);
   gemm_maps(a1, b1, out1, 2, bn, dims.M[1], dims.N[1], dims.K[1], maps + 3);
@@ -808,6 +866,16 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
     else launch_pair<128, 1>(device, stream, maps, dims, jobs, tiles);
   }
   return {out0, out1};
+}
+
+// exp: the phase trace into `buf` (int64, 16 per CTA, on the current
+// device; undefined or empty: off), its CTA count reset.
+void set_gemm_trace(const at::Tensor& buf) {
+  unsigned long long* p = buf.defined() && buf.numel() > 0 ? reinterpret_cast<unsigned long long*>(buf.data_ptr())
+                                                           : nullptr;
+  const unsigned zero = 0;
+  TORCH_OPS_CUDA_CHECK(cudaMemcpyToSymbol(g_trace, &p, sizeof(p)));
+  TORCH_OPS_CUDA_CHECK(cudaMemcpyToSymbol(g_trace_ticket, &zero, sizeof(zero)));
 }
 
 }  // namespace torch_ops

@@ -8,9 +8,11 @@ as benchmarks/linear.py's graph column (that also holds the host's
 launch of the graph until its first kernel), and the host's time in
 graph.replay() alone.
 
-Usage (GPU): python scripts/gemm_amax_graph_probe.py
+Usage (GPU): python scripts/gemm_amax_graph_probe.py [--shapes MxKxN,...]
+[--only SUBSTRING,...] (rows whose name holds one of them)
 """
 
+import argparse
 import statistics
 import time
 
@@ -48,9 +50,14 @@ def replay_us(fn, iters=300):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="4096x1024x1024,1024x2048x1024")
+    parser.add_argument("--only", default="", help="comma-separated substrings of the row names to run")
+    args = parser.parse_args()
+    only = [o for o in args.only.split(",") if o]
     ext = torch_ops.linear._ext()
     bf = torch.bfloat16
-    for M, K, N in ((4096, 1024, 1024), (1024, 2048, 1024)):
+    for M, K, N in (tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")):
         x = torch.randn(M, K, device="cuda", dtype=bf)
         w = torch.randn(N, K, device="cuda", dtype=bf) * 0.05
         g = torch.randn(M, N, device="cuda", dtype=bf) * 1e-3
@@ -134,6 +141,8 @@ def main():
         print(f"\n{M}x{K}x{N}: us per replay: back to back (median of 5 x 300) | one synchronized replay "
               "(median of 200, as linear.py) | host time in replay()")
         for name, fn in rows.items():
+            if only and not any(o in name for o in only):
+                continue
             b2b, iso, host = replay_us(fn)
             print(f"  {name:68s} {b2b:8.2f} | {iso:8.2f} | {host:6.1f}")
 
