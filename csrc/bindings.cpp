@@ -207,7 +207,8 @@ std::vector<at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at::Tensor& b
     if (test_record(*xs[q], states[q], fmts[q], a0, r[q])) recs[q] = &r[q];
   TORCH_CHECK(torch_ops::gemm_amax_pair_applies(a0, b0, (int)layout0, a1, b1),
               "a0, b0, a1, b1: expected contiguous 16-byte-aligned bfloat16 matrices with rows a multiple of 8 "
-              "elements and matching inner dimensions, on one sm_90 device, with no more tiles than SMs");
+              "elements and matching inner dimensions, on one sm_90 device, whose tiles fit one wave (or dX's do and dW's "
+              "split into as many parts)");
   auto out = torch_ops::gemm_amax_pair(a0, b0, (int)layout0, a1, b1, recs, (int)algo, mdiv);
   return {out.first, out.second};
 }
@@ -221,10 +222,10 @@ int set_small_record_stream(int64_t mode) {
 }
 
 int set_gemm_amax_in_graphs(int64_t mode) {
-  TORCH_CHECK_VALUE(mode >= -1 && mode <= 2,
+  TORCH_CHECK_VALUE(mode >= -1 && mode <= 3,
                     "mode: expected -1 (as TORCH_OPS_GEMM_AMAX_GRAPHS says), 0 (cuBLAS's GEMMs and the state kernel "
-                    "while captured), 1 (our GEMMs) or 2 (auto: ours, the forward on cuBLAS where ours would take "
-                    "narrow tiles), got ",
+                    "while captured), 1 (our GEMMs), 2 (auto: ours, the forward on cuBLAS where ours would take "
+                    "narrow tiles) or 3 (ours, the forward on cuBLAS), got ",
                     std::to_string(mode));
   return torch_ops::set_gemm_amax_in_graphs((int)mode);
 }

@@ -78,7 +78,6 @@ struct GemmAmaxJobs {
   // most kRecordPer * 96 entries); 0: block_done by the whole last CTA.
   int fast;
   const __nv_bfloat16* bias;
-  int warp_stores;  // exp: each warp TMA-stores its 16 rows of each sub-tile (C box 64 x 16)
 };
 
 // exp/gemm-phases: a per-CTA trace of the kernel's phases (null: off).
@@ -255,7 +254,7 @@ __device__ __forceinline__ void mma_stage(float* d, const uint8_t* sA, const uin
 // waits until the stores have read sC). Named barrier 2 + c.
 template <int BN>
 __device__ __forceinline__ void store_tile(float* d, uint8_t* sC, const CUtensorMap* tmC, const __nv_bfloat16* bias,
-                                           int N, int m_blk, int n_blk, int c, int tid, int warp_stores) {
+                                           int N, int m_blk, int n_blk, int c, int tid) {
   const int lane = tid % 32, w = (tid / 32) % 4;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
@@ -276,17 +275,6 @@ __device__ __forceinline__ void store_tile(float* d, uint8_t* sC, const CUtensor
     }
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  if (warp_stores) {  // this warp's 16 rows of each sub-tile
-    __syncwarp();
-    if (lane == 0) {
-#pragma unroll
-      for (int sub = 0; sub < BN / 64; ++sub)
-        tma_store(tmC, sC + sub * 8192 + w * 2048, n_blk * BN + sub * 64, m_blk * kBM + c * 64 + w * 16);
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    }
-    return;
-  }
   named_sync(2 + c, 128);
   if (tid % 128 == 0) {
 #pragma unroll
@@ -303,6 +291,40 @@ template <int J>
 __device__ __forceinline__ void job_bits(const unsigned* red, unsigned (&bits)[J]) {
 #pragma unroll
   for (int j = 0; j < J; ++j) bits[j] = max(max(red[4 * j + 1], red[4 * j + 2]), red[4 * j + 3]);
+}
+
+// One CTA's share of a GEMM's output tile (row-major over the tiles of
+// 128 x BN): split-K rank `rank` of `split` takes k steps [k0, k0 + KL).
+// The amax tiles come first in its k loop, so that the amax warps finish
+// (and the last CTA records) while the consumers still multiply. Position
+// p of the loop is k step k0 + (p + rot) % KL. A's tile (m_blk, kt) is
+// read at positions p < a_count by the CTAs of its row: the n_tiles CTAs
+// take ca steps each (n_blk * ca + p < KL); B's tile (n_blk, kt) likewise
+// by the CTAs of its column, cb steps each. With rot = m_blk * cb + n_blk *
+// ca each operand's tiles are covered exactly once (the other term is a
+// shift common to the row / column). The producer waits for the amax warps
+// (amax_free) only at positions p < held; elsewhere the consumers alone
+// release a stage.
+struct TilePlan {
+  int m_blk, n_blk, k0, KL, a_count, b_count, held, rot;
+};
+
+template <int BN>
+__device__ __forceinline__ TilePlan plan_tile(int M, int N, int K, int tile, int rank, int split, bool amax_a,
+                                              bool amax_b) {
+  TilePlan p;
+  const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + kBM - 1) / kBM;
+  p.m_blk = tile / n_tiles;
+  p.n_blk = tile % n_tiles;
+  const int kt_all = (K + kBK - 1) / kBK, per_split = (kt_all + split - 1) / split;
+  p.k0 = rank * per_split;
+  p.KL = max(0, min(kt_all, p.k0 + per_split) - p.k0);
+  const int ca = (p.KL + n_tiles - 1) / n_tiles, cb = (p.KL + m_tiles - 1) / m_tiles;
+  p.a_count = amax_a ? max(0, min(ca, p.KL - p.n_blk * ca)) : 0;
+  p.b_count = amax_b ? max(0, min(cb, p.KL - p.m_blk * cb)) : 0;
+  p.held = max(p.a_count, p.b_count);
+  p.rot = p.KL > 0 ? (int)(((long long)(amax_b ? p.m_blk * cb : 0) + (amax_a ? p.n_blk * ca : 0)) % p.KL) : 0;
+  return p;
 }
 
 // One CTA's work on the output tile `tile` (row-major over the tiles of 128
@@ -332,30 +354,13 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
   uint64_t* red_full = amax_free + STAGES;
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
-  const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + kBM - 1) / kBM;
-  const int m_blk = tile / n_tiles, n_blk = tile % n_tiles;
-  // This CTA's k steps [k0, k0 + KL) (split-K: its half).
-  const int kt_all = (K + kBK - 1) / kBK, per_split = (kt_all + SPLIT - 1) / SPLIT;
-  const int k0 = rank * per_split, KL = max(0, min(kt_all, k0 + per_split) - k0);
+  const TilePlan pl = plan_tile<BN>(M, N, K, tile, rank, SPLIT, ja >= 0, jb >= 0);
+  const int m_blk = pl.m_blk, n_blk = pl.n_blk, k0 = pl.k0, KL = pl.KL;
+  const int a_count = pl.a_count, b_count = pl.b_count, held = pl.held, rot = pl.rot;
   const bool amax_a = ja >= 0, amax_b = jb >= 0;  // this tile's
   bool any_job = false;  // any CTA's
 #pragma unroll
   for (int j = 0; j < J; ++j) any_job |= jobs.on[j] != 0;
-  // The amax tiles, all in the first positions of each CTA's k loop, so
-  // that the amax warps finish (and the last CTA records) while the
-  // consumers still multiply. Position p of the loop is k step
-  // k0 + (p + rot) % KL. A's tile (m_blk, kt) is read at positions
-  // p < a_count by the CTAs of its row: the n_tiles CTAs take ca steps each
-  // (n_blk * ca + p < KL); B's tile (n_blk, kt) likewise by the CTAs of its
-  // column, cb steps each. With rot = m_blk * cb + n_blk * ca each operand's
-  // tiles are covered exactly once (the other term is a shift common to the
-  // row / column). The producer waits for the amax warps (amax_free) only
-  // at positions p < held; elsewhere the consumers alone release a stage.
-  const int ca = (KL + n_tiles - 1) / n_tiles, cb = (KL + m_tiles - 1) / m_tiles;
-  const int a_count = amax_a ? max(0, min(ca, KL - n_blk * ca)) : 0;
-  const int b_count = amax_b ? max(0, min(cb, KL - m_blk * cb)) : 0;
-  const int held = max(a_count, b_count);
-  const int rot = KL > 0 ? (int)(((long long)(amax_b ? m_blk * cb : 0) + (amax_a ? n_blk * ca : 0)) % KL) : 0;
 
   if (tid == 0) {
     if (tr0) {
@@ -485,7 +490,7 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
       // Through shared memory (the stages, free once both warpgroups and
       // the amax warps are done with them): 128-byte swizzled 64 x 64
       // sub-tiles, one TMA store each.
-      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC, bias, N, m_blk, n_blk, c, tid, jobs.warp_stores);
+      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC, bias, N, m_blk, n_blk, c, tid);
     }
     if (tr && tid == 128) tr[9] = clock64(), tr[10] = gtimer();
   }
@@ -534,7 +539,6 @@ struct PairJobs {
   int on[3];
   int fast;  // as GemmAmaxJobs's
   int job[2][2];
-  int warp_stores;
 };
 struct PairDims {
   int M[2], N[2], K[2];
@@ -557,6 +561,268 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   } else {
     gemm_tile<BN, STAGES, L1, 1, 3>(tmA1, tmB1, tmC1, dims.M[1], dims.N[1], dims.K[1], blockIdx.x - t0, 0,
                                     jobs.job[1][0], jobs.job[1][1], jobs, nullptr, smem_raw);
+  }
+#endif
+}
+
+// gemm_amax_chain_kernel: the two GEMMs of gemm_amax_pair where one CTA per
+// tile of either does not fit one wave but GEMM 0's 128 x 256 tiles do
+// (4096x1024x1024's backward: 128 dX tiles and 32 dW tiles of 64 k steps
+// each). CTA b computes GEMM 0's tile b, writes it straight from its
+// registers (the stores drain while it goes on), then the part b % S of
+// the k steps of GEMM 1's tile b / S; the S CTAs of that tile are one
+// cluster and add up their partial tiles in shared memory, each rank the
+// columns of its part (the others' partial sums of them sent by st.async
+// once its stages are free), and store those. With S = T0 / T1 = M / N
+// (tokens over output features) the two items take the same k steps. The
+// amax warps walk every position up to the last amax tile of GEMM 1 (so
+// that no stage's phase passes them by); the records as gemm_amax_pair's.
+#ifndef TORCH_OPS_GEMM_AMAX_STUB
+// Consumer warpgroup c's 64 x BN of GEMM 0's tile (m_blk, n_blk) from its
+// fragment `d` to `out` (bf16, M x N row-major, N a multiple of 8), 16 bytes
+// per store: each quad's four threads trade the 4-byte pieces they hold of
+// four 8-column groups (a 4 x 4 transpose by two xor shuffles), so that
+// each writes one group's eight columns.
+template <int BN>
+__device__ __forceinline__ void store_direct(const float* d, __nv_bfloat16* out, int M, int N, int m_blk, int n_blk,
+                                             int c, int ct) {
+  const int lane = ct % 32, w = (ct / 32) % 4, p = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const long long row = (long long)m_blk * kBM + c * 64 + w * 16 + lane / 4 + 8 * h;
+#pragma unroll
+    for (int j0 = 0; j0 < BN / 8; j0 += 4) {
+      uint32_t v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        __nv_bfloat162 b = __floats2bfloat162_rn(d[(j0 + e) * 4 + 2 * h], d[(j0 + e) * 4 + 2 * h + 1]);
+        v[e] = *reinterpret_cast<uint32_t*>(&b);
+      }
+      {  // swap the 2 x 2 blocks off the diagonal (lanes p and p ^ 2)
+        const bool hi = p & 2;
+        const uint32_t s0 = __shfl_xor_sync(0xFFFFFFFFu, hi ? v[0] : v[2], 2);
+        const uint32_t s1 = __shfl_xor_sync(0xFFFFFFFFu, hi ? v[1] : v[3], 2);
+        if (hi) v[0] = s0, v[1] = s1;
+        else v[2] = s0, v[3] = s1;
+      }
+      {  // transpose each 2 x 2 block (lanes p and p ^ 1)
+        const bool odd = p & 1;
+        const uint32_t s0 = __shfl_xor_sync(0xFFFFFFFFu, odd ? v[0] : v[1], 1);
+        const uint32_t s1 = __shfl_xor_sync(0xFFFFFFFFu, odd ? v[2] : v[3], 1);
+        if (odd) v[0] = s0, v[2] = s1;
+        else v[1] = s0, v[3] = s1;
+      }
+      const int col = n_blk * BN + (j0 + p) * 8;
+      if (row < M && col < N) *reinterpret_cast<uint4*>(out + row * N + col) = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+  }
+}
+
+// A consumer warpgroup's k loop over positions [i0, i0 + n) of the ring of
+// stages, accumulating into `d`; every position's stage released
+// (the last one too: the ring goes on past it).
+template <int BN, int STAGES, int LAYOUT>
+__device__ __forceinline__ void consume(float* d, uint8_t* sA, uint8_t* sB, uint64_t* full, uint64_t* empty, int i0,
+                                        int n, int c, int lane) {
+  constexpr int A_BYTES = kBM * kBK * 2, B_BYTES = BN * kBK * 2;
+  for (int i = i0; i < i0 + n; ++i) {
+    const int s = i % STAGES;
+    mbar_wait(&full[s], (i / STAGES) & 1);
+    wgmma_fence();
+    mma_stage<BN, LAYOUT>(d, sA + s * A_BYTES, sB + s * B_BYTES, c);
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (i > i0 && lane == 0) mbar_arrive(&empty[(i - 1) % STAGES]);
+  }
+  wgmma_wait<0>();
+  if (n > 0 && lane == 0) mbar_arrive(&empty[(i0 + n - 1) % STAGES]);
+}
+#endif  // TORCH_OPS_GEMM_AMAX_STUB
+
+template <int BN, int STAGES, int L0, int S>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    gemm_amax_chain_kernel(const __grid_constant__ CUtensorMap tmA0, const __grid_constant__ CUtensorMap tmB0,
+                           const __grid_constant__ CUtensorMap tmA1, const __grid_constant__ CUtensorMap tmB1,
+                           const __grid_constant__ CUtensorMap tmC1, __nv_bfloat16* out0,
+                           const __grid_constant__ PairDims dims, const __grid_constant__ PairJobs jobs) {
+#ifdef TORCH_OPS_GEMM_AMAX_STUB
+  __trap();
+#else
+  constexpr int L1 = 2, A_BYTES = kBM * kBK * 2, B_BYTES = BN * kBK * 2;
+  constexpr int PART = BN / S, JQ = PART / 8;  // a rank's columns, its 8-column groups
+  constexpr int SLOT = kBM * PART * 4;         // one peer's partial sums of them (bytes)
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ unsigned red[16 + kRedWords];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sA = smem;
+  uint8_t* sB = smem + STAGES * A_BYTES;
+  uint64_t* full = reinterpret_cast<uint64_t*>(sB + STAGES * B_BYTES);
+  uint64_t* empty = full + STAGES;
+  uint64_t* amax_free = empty + STAGES;
+  uint64_t* red_full = amax_free + STAGES;  // the peers' partial sums have landed
+  uint64_t* peers_free = red_full + 1;      // the peers' stages are free for ours
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
+  const int rank = (int)(blockIdx.x % S);
+  const int ja0 = jobs.job[0][0], jb0 = jobs.job[0][1], ja1 = jobs.job[1][0], jb1 = jobs.job[1][1];
+  const TilePlan p0 = plan_tile<BN>(dims.M[0], dims.N[0], dims.K[0], blockIdx.x, 0, 1, ja0 >= 0, jb0 >= 0);
+  const TilePlan p1 = plan_tile<BN>(dims.M[1], dims.N[1], dims.K[1], blockIdx.x / S, rank, S, ja1 >= 0, jb1 >= 0);
+  const int KL0 = p0.KL, total = KL0 + p1.KL;
+  const int walk = p1.held > 0 ? KL0 + p1.held : p0.held;  // the positions the amax warps pass through
+  bool any_job = false;
+#pragma unroll
+  for (int j = 0; j < 3; ++j) any_job |= jobs.on[j] != 0;
+
+  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmA0)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmB0)) : "memory");
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8);
+      mbar_init(&amax_free[s], 3);
+    }
+    mbar_init(red_full, 1);
+    mbar_init(peers_free, S > 1 ? S - 1 : 1);
+    if (S > 1) mbar_expect_tx(red_full, (S - 1) * SLOT);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (tid < 16) red[tid] = 0u;
+  __syncthreads();
+  if (S > 1) cluster_arrive_relaxed();  // the peers' barriers initialized: waited for before any remote access
+
+  if (wg == 0) {
+    if (warp == 0) {
+      if (lane == 0) {
+        pdl_wait();
+        for (int i = 0; i < total; ++i) {
+          const int s = i % STAGES;
+          if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
+          if (i >= STAGES && i - STAGES < walk) mbar_wait(&amax_free[s], ((i / STAGES) + 1) & 1);
+          mbar_expect_tx(&full[s], A_BYTES + B_BYTES);
+          if (i < KL0) {
+            load_stage<BN, L0>(sA + s * A_BYTES, sB + s * B_BYTES, &tmA0, &tmB0, &full[s], p0.m_blk, p0.n_blk,
+                               p0.k0 + (i + p0.rot) % KL0);
+          } else {
+            load_stage<BN, L1>(sA + s * A_BYTES, sB + s * B_BYTES, &tmA1, &tmB1, &full[s], p1.m_blk, p1.n_blk,
+                               p1.k0 + (i - KL0 + p1.rot) % p1.KL);
+          }
+        }
+      }
+    } else {
+      const int at = tid - 32;
+      uint32_t m[4] = {0u, 0u, 0u, 0u};  // A0, B0, A1, B1
+      for (int i = 0; i < walk; ++i) {
+        const int s = i % STAGES;
+        mbar_wait(&full[s], (i / STAGES) & 1);
+        if (i < p0.a_count) m[0] = amax_tile<A_BYTES>(sA + s * A_BYTES, at, m[0]);
+        if (i < p0.b_count) m[1] = amax_tile<B_BYTES>(sB + s * B_BYTES, at, m[1]);
+        if (i >= KL0 && i - KL0 < p1.a_count) m[2] = amax_tile<A_BYTES>(sA + s * A_BYTES, at, m[2]);
+        if (i >= KL0 && i - KL0 < p1.b_count) m[3] = amax_tile<B_BYTES>(sB + s * B_BYTES, at, m[3]);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&amax_free[s]);
+      }
+      const int job[4] = {ja0, jb0, ja1, jb1};
+#pragma unroll
+      for (int o = 0; o < 4; ++o) {
+        m[o] = __reduce_max_sync(0xFFFFFFFFu, max(m[o] & 0xFFFFu, m[o] >> 16));
+        if (lane == 0 && job[o] >= 0) red[4 * job[o] + warp] = m[o] << 16;  // bf16 bits -> float32 bits
+      }
+      named_arrive(1, 352);
+      if (jobs.fast && any_job) {
+        named_sync(5, 96);
+        unsigned bits[3];
+        job_bits(red, bits);
+        named_sync(5, 96);
+        record_by_amax_warps<3>(jobs, bits, at, red + 16);
+      }
+    }
+  } else {
+    const int c = wg - 1, ct = tid - 128;
+    float d[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+    consume<BN, STAGES, L0>(d, sA, sB, full, empty, 0, KL0, c, lane);
+    store_direct<BN>(d, out0, dims.M[0], dims.N[0], p0.m_blk, p0.n_blk, c, ct);
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+    consume<BN, STAGES, L1>(d, sA, sB, full, empty, KL0, p1.KL, c, lane);
+    pdl_launch_dependents();
+    named_sync(1, 352);  // both warpgroups and the amax warps are done with the stages
+    if (S == 1) {
+      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC1, nullptr, dims.N[1], p1.m_blk, p1.n_blk, c, tid);
+    } else {
+      // Our stages are free for the peers' partial sums: say so to each,
+      // and send ours of their parts once all of theirs are free.
+      cluster_wait();
+      if (ct == 0) {
+#pragma unroll
+        for (int q = 0; q < S; ++q)
+          if (q != rank) mbar_arrive_cluster(mapa_u32(smem_u32(peers_free), q));
+      }
+      mbar_wait_cluster(peers_free, 0);
+#pragma unroll
+      for (int q = 0; q < S; ++q) {
+        if (q == rank) continue;
+        const int slot = rank < q ? rank : rank - 1;  // ours among q's peers
+        const uint32_t area = mapa_u32(smem_u32(smem), q) + slot * SLOT, bar = mapa_u32(smem_u32(red_full), q);
+#pragma unroll
+        for (int jj = 0; jj < JQ; ++jj) {
+          const int j = q * JQ + jj;
+          st_async_v4(area + (jj * 256 + ct) * 16, d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3], bar);
+        }
+      }
+      mbar_wait(red_full, 0);
+      // Our part: the peers' sums added, through swizzled 64 x 64 sub-tiles
+      // after the receive area, one TMA store each.
+      const float4* recv = reinterpret_cast<const float4*>(smem);
+      uint8_t* sC = smem + (S - 1) * SLOT + c * (64 * PART * 2);
+      const int w = ct / 32 % 4;
+#pragma unroll
+      for (int q = 0; q < S; ++q) {
+        if (q != rank) continue;
+#pragma unroll
+        for (int jj = 0; jj < JQ; ++jj) {
+          const int j = q * JQ + jj;
+#pragma unroll
+          for (int sl = 0; sl < S - 1; ++sl) {
+            const float4 v = recv[sl * (SLOT / 16) + jj * 256 + ct];
+            d[4 * j] += v.x, d[4 * j + 1] += v.y, d[4 * j + 2] += v.z, d[4 * j + 3] += v.w;
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = w * 16 + lane / 4 + 8 * h;
+            const uint32_t off = (jj / 8) * 8192 + r * 128 + (((jj % 8) ^ (r & 7)) * 16) + (lane % 4) * 4;
+            __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(sC + off)), "r"(*reinterpret_cast<uint32_t*>(&v))
+                         : "memory");
+          }
+        }
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      named_sync(2 + c, 128);
+      if (ct % 128 == 0) {
+#pragma unroll
+        for (int sub = 0; sub < PART / 64; ++sub)
+          tma_store(&tmC1, sC + sub * 8192, p1.n_blk * BN + rank * PART + sub * 64, p1.m_blk * kBM + c * 64);
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      }
+    }
+  }
+  if (!jobs.fast && any_job) {  // as gemm_tile's
+    __syncthreads();
+    unsigned bits[3];
+    job_bits(red, bits);
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+      if (!jobs.on[j]) continue;
+      block_done(bits[j], jobs.f[j], red + 16, gridDim.x);
+      __syncthreads();
+    }
+  }
+  if (S > 1 && wg == 0) {  // the start's cluster barrier (the consumers waited before their remote accesses)
+    __syncwarp();
+    cluster_wait();
   }
 #endif
 }
@@ -612,12 +878,6 @@ void launch_gemm(int device, cudaStream_t stream, unsigned blocks, int smem, int
   static std::atomic<bool> configured[kMaxDevices];
   if (device >= 0 && device < kMaxDevices && !configured[device].load(std::memory_order_acquire)) {
     TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    static const int carveout = [] {  // exp: TORCH_OPS_GEMM_AMAX_CARVEOUT (percent), unset: the driver's choice
-      const char* v = std::getenv("TORCH_OPS_GEMM_AMAX_CARVEOUT");
-      return v && *v ? std::atoi(v) : -1;
-    }();
-    if (carveout >= 0)
-      TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
     configured[device].store(true, std::memory_order_release);
   }
   cudaLaunchConfig_t cfg = {};
@@ -683,18 +943,12 @@ void gemm_dims(const at::Tensor& a, const at::Tensor& b, int layout, int& M, int
   N = (int)(layout == 0 ? b.size(0) : b.size(1));
 }
 
-// exp: TORCH_OPS_GEMM_AMAX_WARP_STORES=1: each warp stores its rows.
-int warp_stores() {
-  static const int on = env_flag("TORCH_OPS_GEMM_AMAX_WARP_STORES", false) ? 1 : 0;
-  return on;
-}
-
 // The TMA maps of `a`, `b` and `out` for 128 x 64 (A) and bn x 64 (B) boxes.
 void gemm_maps(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int layout, int bn, int M, int N,
                int K, CUtensorMap* maps) {
   maps[0] = layout == 2 ? tensor_map(a, M, K, 64, 64) : tensor_map(a, K, M, 64, 128);
   maps[1] = layout == 0 ? tensor_map(b, K, N, 64, bn) : tensor_map(b, N, K, 64, 64);
-  maps[2] = tensor_map(out, N, M, 64, warp_stores() ? 16 : 64);
+  maps[2] = tensor_map(out, N, M, 64, 64);
 }
 
 bool is_sm90(int device) { return device >= 0 && device_capability(device) == 90; }
@@ -756,7 +1010,6 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
                 ",) tensor on the operands' device, 4-byte aligned");
     jobs.bias = reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr());
   }
-  jobs.warp_stores = warp_stores();
   const AmaxRecord* recs[2] = {rec_a, rec_b};
   if (rec_a || rec_b) {
     unsigned* wsp = state_workspace(a, stream);
@@ -808,15 +1061,86 @@ bool pair_dims(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at
   gemm_dims(a1, b1, 2, dims.M[1], dims.N[1], dims.K[1]);
   return true;
 }
+
+// gemm_amax_chain_kernel's shared memory: the pair's and two mbarriers.
+constexpr int kChainSmem = gemm_smem_bytes<256, 4, 1>() + 16;
+
+// How many clusters of `S` CTAs of gemm_amax_chain_kernel can be resident
+// at once on `device` (queried once per device).
+template <int S>
+int chain_max_clusters(int device) {
+  static std::atomic<int> cached[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int n = cached[device].load(std::memory_order_acquire);
+  if (n > 0) return n - 1;
+  auto kernel = gemm_amax_chain_kernel<256, 4, 0, S>;
+  const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  TORCH_OPS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kChainSmem));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(S * device_sm_count(device));
+  cfg.blockDim = dim3(kGemmThreads);
+  cfg.dynamicSmemBytes = kChainSmem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = S;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
+  cached[device].store(clusters + 1, std::memory_order_release);
+  return clusters;
+}
+
+// The part count S of gemm_amax_chain_kernel for GEMMs of `dims` on
+// `device`, 0 where it does not run: GEMM 0's T0 tiles of 128 x 256 fill
+// three quarters of the GPU or more in one wave, GEMM 1 has T0 / S of them
+// (S 1, 2 or 4; S = M / N of the layer: both items then take as many k
+// steps), each part at least one k step long, and the T0 / S clusters of S
+// CTAs all resident at once. TORCH_OPS_GEMM_AMAX_CHAIN=0 (read once) turns
+// it off.
+int chain_split(const PairDims& dims, int device) {
+  static const bool enabled = env_flag("TORCH_OPS_GEMM_AMAX_CHAIN", true);
+  if (!enabled) return 0;
+  const int sms = device_sm_count(device);
+  long long t[2];
+  for (int g = 0; g < 2; ++g) t[g] = (long long)((dims.M[g] + kBM - 1) / kBM) * ((dims.N[g] + 255) / 256);
+  if (t[0] > sms || t[0] * 4 < 3LL * sms || t[0] % t[1] != 0) return 0;
+  const int S = (int)(t[0] / t[1]);
+  if ((S != 1 && S != 2 && S != 4) || (dims.K[1] + kBK - 1) / kBK < S) return 0;
+  const int resident = S == 1 ? sms : S == 2 ? chain_max_clusters<2>(device) : chain_max_clusters<4>(device);
+  return (S == 1 || resident >= t[0] / S) ? S : 0;
+}
+
+template <int L0>
+void launch_chain(int device, cudaStream_t stream, const CUtensorMap (&maps)[6], __nv_bfloat16* out0,
+                  const PairDims& dims, const PairJobs& jobs, int blocks, int S) {
+  if (S == 1)
+    launch_gemm<gemm_amax_chain_kernel<256, 4, L0, 1>>(device, stream, (unsigned)blocks, kChainSmem, 1, maps[0],
+                                                        maps[1], maps[3], maps[4], maps[5], out0, dims, jobs);
+  else if (S == 2)
+    launch_gemm<gemm_amax_chain_kernel<256, 4, L0, 2>>(device, stream, (unsigned)blocks, kChainSmem, 2, maps[0],
+                                                        maps[1], maps[3], maps[4], maps[5], out0, dims, jobs);
+  else
+    launch_gemm<gemm_amax_chain_kernel<256, 4, L0, 4>>(device, stream, (unsigned)blocks, kChainSmem, 4, maps[0],
+                                                        maps[1], maps[3], maps[4], maps[5], out0, dims, jobs);
+}
 }  // namespace
 
 // Whether gemm_amax_pair runs a0 . b0 in layout0 (0 or 1) and a1 . b1 in
 // layout 2: as gemm_amax_applies for each, on one device, where all their
-// tiles fit in one wave (pair_bn).
+// tiles fit in one wave (pair_bn) or GEMM 0's do and GEMM 1's split into
+// as many parts (chain_split).
 bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at::Tensor& a1,
                             const at::Tensor& b1) {
   PairDims dims;
-  return pair_dims(a0, b0, layout0, a1, b1, dims) && pair_bn(dims, device_sm_count((int)a0.get_device())) > 0;
+  if (!pair_dims(a0, b0, layout0, a1, b1, dims)) return false;
+  const int device = (int)a0.get_device();
+  return pair_bn(dims, device_sm_count(device)) > 0 || chain_split(dims, device) > 0;
 }
 
 // (out0, out1) = (a0 . b0 in layout0, a1 . b1 in layout 2) in one launch
@@ -830,7 +1154,8 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
   const bool fits = pair_dims(a0, b0, layout0, a1, b1, dims);
   const int device = (int)a0.get_device();
   const int bn = fits ? pair_bn(dims, device_sm_count(device)) : 0;
-  TORCH_CHECK(bn > 0, "gemm_amax_pair: operands it does not take (see gemm_amax_pair_applies)");
+  const int split = fits && bn == 0 ? chain_split(dims, device) : 0;
+  TORCH_CHECK(bn > 0 || split > 0, "gemm_amax_pair: operands it does not take (see gemm_amax_pair_applies)");
   const c10::cuda::CUDAGuard guard(a0.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   at::Tensor out0 = at::empty({dims.M[0], dims.N[0]}, a0.options());
@@ -852,8 +1177,16 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
     slot = n++;
   }
   if (n == 0) jobs.fast = 0;
-  jobs.warp_stores = warp_stores();
   CUtensorMap maps[6];
+  if (split > 0) {  // gemm_amax_chain_kernel: one CTA per tile of GEMM 0
+    gemm_maps(a0, b0, out0, layout0, 256, dims.M[0], dims.N[0], dims.K[0], maps);
+    gemm_maps(a1, b1, out1, 2, 256, dims.M[1], dims.N[1], dims.K[1], maps + 3);
+    const int blocks = ((dims.M[0] + kBM - 1) / kBM) * ((dims.N[0] + 255) / 256);
+    auto* o0 = reinterpret_cast<__nv_bfloat16*>(out0.data_ptr());
+    if (layout0 == 0) launch_chain<0>(device, stream, maps, o0, dims, jobs, blocks, split);
+    else launch_chain<1>(device, stream, maps, o0, dims, jobs, blocks, split);
+    return {out0, out1};
+  }
   gemm_maps(a0, b0, out0, layout0, bn, dims.M[0], dims.N[0], dims.K[0], maps);
   gemm_maps(a1, b1, out1, 2, bn, dims.M[1], dims.N[1], dims.K[1], maps + 3);
   int tiles = 0;

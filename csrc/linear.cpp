@@ -465,10 +465,12 @@ std::atomic<int> g_gemm_amax_in_graphs{-1};
 GraphGemms gemm_amax_in_graphs(long long M, long long N, int device) {
   int mode = g_gemm_amax_in_graphs.load(std::memory_order_relaxed);
   if (mode < 0) {
-    static const int env = std::array<int, 3>{2, 0, 1}[env_choice("TORCH_OPS_GEMM_AMAX_GRAPHS", {"auto", "0", "1"}, 0)];
+    static const int env =
+        std::array<int, 4>{2, 0, 1, 3}[env_choice("TORCH_OPS_GEMM_AMAX_GRAPHS", {"auto", "0", "1", "3"}, 0)];
     mode = env;
   }
   if (mode == 0) return GraphGemms::kCublas;
+  if (mode == 3) return GraphGemms::kOursCublasForward;  // exp: the forward on cuBLAS at every shape
   if (mode == 1 || gemm_amax_wide(M, N, device)) return GraphGemms::kOurs;
   return GraphGemms::kOursCublasForward;
 }

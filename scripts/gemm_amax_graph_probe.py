@@ -138,6 +138,7 @@ def main():
             rows["step fp8_linear, captured: cuBLAS + state kernel" + tag] = wrap(in_graphs(0, step_ours))
             rows["step fp8_linear, captured: our GEMMs" + tag] = wrap(in_graphs(1, step_ours))
             rows["step fp8_linear, captured: auto (mode 2)" + tag] = wrap(in_graphs(2, step_ours))
+            rows["step fp8_linear, captured: cuBLAS fwd (mode 3)" + tag] = wrap(in_graphs(3, step_ours))
         print(f"\n{M}x{K}x{N}: us per replay: back to back (median of 5 x 300) | one synchronized replay "
               "(median of 200, as linear.py) | host time in replay()")
         for name, fn in rows.items():

@@ -56,7 +56,7 @@ def main(shapes):
             return run
 
         steps = {"nn.Linear": step_bf16}
-        steps.update({f"fp8_linear, graph mode {m}": step_ours(m) for m in (0, 1, 2)})
+        steps.update({f"fp8_linear, graph mode {m}": step_ours(m) for m in (0, 1, 2, 3)})
         for name, fn in steps.items():
             ks = kernels_of(capture_graph(fn))
             if not ks:

@@ -178,10 +178,15 @@ class GemmAmaxTest(parameterized.TestCase):
 # launch where all tiles of dX and dW fit in one wave: one tile each,
 # ragged M, 128 x 128 tiles with one k step per dX tile beside long dW
 # tiles (2048 x 512 x 64), 128 x 256 tiles (ragged, and the small-path
-# shape 1024x2048x1024); 4096x1024x1024 has more tiles than SMs (not taken).
+# shape 1024x2048x1024); and as gemm_amax_chain_kernel where only dX's
+# 128 x 256 tiles fit one wave and dW's split into M / N parts of its k
+# steps: 4096x1024x1024 (four parts, clusters of four), ragged
+# (4000x1016x1000: a shorter last part), two parts (2048x2048x1024) and one
+# (1024x4096x1024). 8192x1024x1024: dX's tiles alone fill more than one wave.
 PAIR_SHAPES = [(8, 8, 8), (136, 72, 24), (300, 64, 48), (129, 520, 264), (2048, 512, 64), (1000, 2040, 1016),
-               (1024, 2048, 1024), (4096, 1024, 1024)]
-PAIR_TAKES = {(4096, 1024, 1024): False}
+               (1024, 2048, 1024), (4096, 1024, 1024), (4000, 1016, 1000), (2048, 2048, 1024), (1024, 4096, 1024),
+               (8192, 1024, 1024)]
+PAIR_TAKES = {(8192, 1024, 1024): False}
 
 
 def _pair_operands(M, K, N, in_out, seed, special=False):
@@ -197,8 +202,9 @@ def _pair_operands(M, K, N, in_out, seed, special=False):
 
 
 class GemmAmaxPairTest(parameterized.TestCase):
-    """gemm_amax_pair: dX and dW in one launch (one CTA per tile of either),
-    recording g, W, x."""
+    """gemm_amax_pair: dX and dW in one launch (one CTA per tile of either,
+    or per dX tile followed by a part of a dW tile: the chain), recording g,
+    W, x."""
 
     @parameterized.product(in_out=[False, True], mkn=PAIR_SHAPES)
     def test_products_and_state(self, in_out, mkn):
@@ -218,7 +224,7 @@ class GemmAmaxPairTest(parameterized.TestCase):
             takes = PAIR_TAKES.get(mkn, True)
             self.assertEqual(ext.gemm_amax_pair_applies(a0, b0, layout0, a1, b1), takes)
             if not takes:
-                with self.assertRaisesRegex(RuntimeError, "no more tiles than SMs"):
+                with self.assertRaisesRegex(RuntimeError, "fit one wave"):
                     ext.gemm_amax_pair(a0, b0, layout0, a1, b1, recs, fmts, 0, 1.0)
                 return
             poison()
@@ -322,9 +328,9 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
         """Fresh data each step: the state equals the FP8 path's bit for bit
         (x and W recorded in the forward, the gradient in the backward: one
         gemm_amax_pair launch where dX's and dW's tiles fit one wave, 128 x
-        256 at 1024x2048x1024; dX ours and dW cuBLAS's at 4096x1024x1024);
-        output and gradients (the bias's too) within bf16 rounding of
-        float64."""
+        256 at 1024x2048x1024, the chain of dX's tiles and dW's parts at
+        4096x1024x1024); output and gradients (the bias's too) within bf16
+        rounding of float64."""
         M, K, N = mkn
         st = torch_ops.FP8LinearState.create(8, device=DEV)
         st_ref = torch_ops.FP8LinearState.create(8, device=DEV)
@@ -389,7 +395,7 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
     @parameterized.parameters((1, 1024, 2048, 1024, True, True, True), (2, 4096, 1024, 1024, True, True, True),
                               (2, 1024, 2048, 1024, False, True, True), (-1, 1024, 2048, 1024, False, False, True),
                               (0, 1024, 2048, 1024, False, True, True), (2, 4096, 1024, 512, False, False, True),
-                              (2, 1024, 2048, 1024, False, False, False))
+                              (2, 1024, 2048, 1024, False, False, False), (3, 4096, 1024, 1024, False, False, True))
     def test_cuda_graph_replay_equals_eager(self, mode, M, K, N, ours, bias, x_grad):
         """set_gemm_amax_in_graphs(1), and 2 (auto) where the forward takes
         wide tiles: captured calls take our GEMMs as eager calls do; replays
@@ -399,13 +405,13 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
         our backward recording x and W too, in one launch where dX's and
         dW's tiles fit one wave, else dX recording g and W and a launch for
         x (4096x1024x512), or, with no dX needed, one launch for all three;
-        0: cuBLAS's GEMMs and the state kernel. The same state bit for bit
-        in every mode."""
+        0: cuBLAS's GEMMs and the state kernel; 3: cuBLAS's forward at every
+        shape. The same state bit for bit in every mode."""
         ext = _ext()
         was = ext.set_gemm_amax_in_graphs(mode)
         self.addCleanup(ext.set_gemm_amax_in_graphs, was)
         with self.assertRaisesRegex(ValueError, "mode: expected -1"):
-            ext.set_gemm_amax_in_graphs(3)
+            ext.set_gemm_amax_in_graphs(4)
         x, w, gy = _data(M, K, N, "out_in", seed=14)
         b = rand((N,), BF16, scale=1.0, special=False, seed=15) if bias else None
         grads = [gy, 2 * gy, 0.5 * gy]
