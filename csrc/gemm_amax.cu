@@ -49,6 +49,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 
@@ -327,6 +328,12 @@ __device__ __forceinline__ TilePlan plan_tile(int M, int N, int K, int tile, int
   return p;
 }
 
+// One item of a chain CTA: GEMM `g`'s share `p` (g -1: none).
+struct ChainItem {
+  int g;
+  TilePlan p;
+};
+
 // One CTA's work on the output tile `tile` (row-major over the tiles of 128
 // x BN) of one GEMM, split-K rank `rank`: gemm_amax_kernel's and
 // gemm_amax_pair_kernel's body. `ja` / `jb`: the job (of jobs.f / on,
@@ -566,17 +573,20 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 }
 
 // gemm_amax_chain_kernel: the two GEMMs of gemm_amax_pair where one CTA per
-// tile of either does not fit one wave but GEMM 0's 128 x 256 tiles do
-// (4096x1024x1024's backward: 128 dX tiles and 32 dW tiles of 64 k steps
-// each). CTA b computes GEMM 0's tile b, writes it straight from its
-// registers (the stores drain while it goes on), then the part b % S of
-// the k steps of GEMM 1's tile b / S; the S CTAs of that tile are one
-// cluster and add up their partial tiles in shared memory, each rank the
-// columns of its part (the others' partial sums of them sent by st.async
-// once its stages are free), and store those. With S = T0 / T1 = M / N
-// (tokens over output features) the two items take the same k steps. The
-// amax warps walk every position up to the last amax tile of GEMM 1 (so
-// that no stage's phase passes them by); the records as gemm_amax_pair's.
+// tile of either does not fit one wave, as one wave of CTAs that each take
+// two items in a row: with `doubles` 0, CTA b computes GEMM 0's tile b,
+// then the part b % S of the k steps of GEMM 1's tile b / S (S = M / N of
+// the layer, 1 or 2: both items as long); otherwise (4096x1024x1024's
+// backward: 128 dX tiles of 16 k steps, 32 dW tiles of 64) the first
+// `doubles` CTAs each compute two of GEMM 0's tiles (2b, 2b + 1) and the
+// others one half of the k steps of one of GEMM 1's tiles (S = 2). A first
+// item's tile goes straight from the registers to global memory (the
+// stores drain while the CTA goes on). The S CTAs of a GEMM 1 tile are one
+// cluster and add up their partial tiles in shared memory: each rank the
+// columns of its part, the peers' partial sums of them sent by st.async
+// once its stages are free. The amax warps walk every position up to the
+// last amax tile of the second item (so that no stage's phase passes them
+// by); the records as gemm_amax_pair's.
 #ifndef TORCH_OPS_GEMM_AMAX_STUB
 // Consumer warpgroup c's 64 x BN of GEMM 0's tile (m_blk, n_blk) from its
 // fragment `d` to `out` (bf16, M x N row-major, N a multiple of 8), 16 bytes
@@ -642,9 +652,10 @@ __device__ __forceinline__ void consume(float* d, uint8_t* sA, uint8_t* sB, uint
 template <int BN, int STAGES, int L0, int S>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     gemm_amax_chain_kernel(const __grid_constant__ CUtensorMap tmA0, const __grid_constant__ CUtensorMap tmB0,
-                           const __grid_constant__ CUtensorMap tmA1, const __grid_constant__ CUtensorMap tmB1,
-                           const __grid_constant__ CUtensorMap tmC1, __nv_bfloat16* out0,
-                           const __grid_constant__ PairDims dims, const __grid_constant__ PairJobs jobs) {
+                           const __grid_constant__ CUtensorMap tmC0, const __grid_constant__ CUtensorMap tmA1,
+                           const __grid_constant__ CUtensorMap tmB1, const __grid_constant__ CUtensorMap tmC1,
+                           __nv_bfloat16* out0, int doubles, const __grid_constant__ PairDims dims,
+                           const __grid_constant__ PairJobs jobs) {
 #ifdef TORCH_OPS_GEMM_AMAX_STUB
   __trap();
 #else
@@ -663,19 +674,34 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint64_t* peers_free = red_full + 1;      // the peers' stages are free for ours
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
-  const int rank = (int)(blockIdx.x % S);
-  const int ja0 = jobs.job[0][0], jb0 = jobs.job[0][1], ja1 = jobs.job[1][0], jb1 = jobs.job[1][1];
-  const TilePlan p0 = plan_tile<BN>(dims.M[0], dims.N[0], dims.K[0], blockIdx.x, 0, 1, ja0 >= 0, jb0 >= 0);
-  const TilePlan p1 = plan_tile<BN>(dims.M[1], dims.N[1], dims.K[1], blockIdx.x / S, rank, S, ja1 >= 0, jb1 >= 0);
-  const int KL0 = p0.KL, total = KL0 + p1.KL;
-  const int walk = p1.held > 0 ? KL0 + p1.held : p0.held;  // the positions the amax warps pass through
+  const int b = blockIdx.x;
+  const int rank = b % S;  // the CTA's rank in its cluster: its part of a GEMM 1 tile
+  auto plan = [&](int g, int tile, int r, int split) {
+    return plan_tile<BN>(dims.M[g], dims.N[g], dims.K[g], tile, r, split, jobs.job[g][0] >= 0,
+                         jobs.job[g][1] >= 0);
+  };
+  ChainItem ia, ib;  // the first item and the second (g -1: none)
+  if (doubles == 0) {
+    ia = {0, plan(0, b, 0, 1)};
+    ib = {1, plan(1, b / S, rank, S)};
+  } else if (b < doubles) {
+    ia = {0, plan(0, 2 * b, 0, 1)};
+    ib = {0, plan(0, 2 * b + 1, 0, 1)};
+  } else {
+    ia = {1, plan(1, (b - doubles) / S, rank, S)};
+    ib = {-1, TilePlan{}};
+  }
+  const int KLa = ia.p.KL, total = KLa + (ib.g >= 0 ? ib.p.KL : 0);
+  const int held_b = ib.g >= 0 ? ib.p.held : 0;
+  const int walk = held_b > 0 ? KLa + held_b : ia.p.held;  // the positions the amax warps pass through
+  const ChainItem last = ib.g >= 0 ? ib : ia;
   bool any_job = false;
 #pragma unroll
   for (int j = 0; j < 3; ++j) any_job |= jobs.on[j] != 0;
 
   if (tid == 0) {
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmA0)) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmB0)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(ia.g == 0 ? &tmA0 : &tmA1)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(ia.g == 0 ? &tmB0 : &tmB1)) : "memory");
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8);
@@ -683,12 +709,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     }
     mbar_init(red_full, 1);
     mbar_init(peers_free, S > 1 ? S - 1 : 1);
-    if (S > 1) mbar_expect_tx(red_full, (S - 1) * SLOT);
+    if (S > 1 && last.g == 1) mbar_expect_tx(red_full, (S - 1) * SLOT);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (tid < 16) red[tid] = 0u;
   __syncthreads();
   if (S > 1) cluster_arrive_relaxed();  // the peers' barriers initialized: waited for before any remote access
+  bool cluster_waited = false;
 
   if (wg == 0) {
     if (warp == 0) {
@@ -699,33 +726,44 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
           if (i >= STAGES && i - STAGES < walk) mbar_wait(&amax_free[s], ((i / STAGES) + 1) & 1);
           mbar_expect_tx(&full[s], A_BYTES + B_BYTES);
-          if (i < KL0) {
-            load_stage<BN, L0>(sA + s * A_BYTES, sB + s * B_BYTES, &tmA0, &tmB0, &full[s], p0.m_blk, p0.n_blk,
-                               p0.k0 + (i + p0.rot) % KL0);
+          const bool first = i < KLa;
+          const int g = first ? ia.g : ib.g, m_blk = first ? ia.p.m_blk : ib.p.m_blk;
+          const int n_blk = first ? ia.p.n_blk : ib.p.n_blk;
+          const int kt = first ? ia.p.k0 + (i + ia.p.rot) % KLa : ib.p.k0 + (i - KLa + ib.p.rot) % ib.p.KL;
+          if (g == 0) {
+            load_stage<BN, L0>(sA + s * A_BYTES, sB + s * B_BYTES, &tmA0, &tmB0, &full[s], m_blk, n_blk, kt);
           } else {
-            load_stage<BN, L1>(sA + s * A_BYTES, sB + s * B_BYTES, &tmA1, &tmB1, &full[s], p1.m_blk, p1.n_blk,
-                               p1.k0 + (i - KL0 + p1.rot) % p1.KL);
+            load_stage<BN, L1>(sA + s * A_BYTES, sB + s * B_BYTES, &tmA1, &tmB1, &full[s], m_blk, n_blk, kt);
           }
         }
       }
     } else {
+      // The amax warps: A's and B's maxima of the first item, then of the second.
       const int at = tid - 32;
-      uint32_t m[4] = {0u, 0u, 0u, 0u};  // A0, B0, A1, B1
+      uint32_t m0 = 0u, m1 = 0u, m2 = 0u, m3 = 0u;
       for (int i = 0; i < walk; ++i) {
         const int s = i % STAGES;
         mbar_wait(&full[s], (i / STAGES) & 1);
-        if (i < p0.a_count) m[0] = amax_tile<A_BYTES>(sA + s * A_BYTES, at, m[0]);
-        if (i < p0.b_count) m[1] = amax_tile<B_BYTES>(sB + s * B_BYTES, at, m[1]);
-        if (i >= KL0 && i - KL0 < p1.a_count) m[2] = amax_tile<A_BYTES>(sA + s * A_BYTES, at, m[2]);
-        if (i >= KL0 && i - KL0 < p1.b_count) m[3] = amax_tile<B_BYTES>(sB + s * B_BYTES, at, m[3]);
+        if (i < ia.p.a_count) m0 = amax_tile<A_BYTES>(sA + s * A_BYTES, at, m0);
+        if (i < ia.p.b_count) m1 = amax_tile<B_BYTES>(sB + s * B_BYTES, at, m1);
+        if (i >= KLa && i - KLa < ib.p.a_count) m2 = amax_tile<A_BYTES>(sA + s * A_BYTES, at, m2);
+        if (i >= KLa && i - KLa < ib.p.b_count) m3 = amax_tile<B_BYTES>(sB + s * B_BYTES, at, m3);
         __syncwarp();
         if (lane == 0) mbar_arrive(&amax_free[s]);
       }
-      const int job[4] = {ja0, jb0, ja1, jb1};
+      // Per job, this warp's maximum (both items of GEMM 0 may feed one job).
+      const int ja = jobs.job[ia.g][0], jb = jobs.job[ia.g][1];
+      const int jc = ib.g >= 0 ? jobs.job[ib.g][0] : -1, jd = ib.g >= 0 ? jobs.job[ib.g][1] : -1;
+      m0 = __reduce_max_sync(0xFFFFFFFFu, max(m0 & 0xFFFFu, m0 >> 16)) << 16;  // bf16 bits -> float32 bits
+      m1 = __reduce_max_sync(0xFFFFFFFFu, max(m1 & 0xFFFFu, m1 >> 16)) << 16;
+      m2 = __reduce_max_sync(0xFFFFFFFFu, max(m2 & 0xFFFFu, m2 >> 16)) << 16;
+      m3 = __reduce_max_sync(0xFFFFFFFFu, max(m3 & 0xFFFFu, m3 >> 16)) << 16;
+      if (lane == 0) {
 #pragma unroll
-      for (int o = 0; o < 4; ++o) {
-        m[o] = __reduce_max_sync(0xFFFFFFFFu, max(m[o] & 0xFFFFu, m[o] >> 16));
-        if (lane == 0 && job[o] >= 0) red[4 * job[o] + warp] = m[o] << 16;  // bf16 bits -> float32 bits
+        for (int j = 0; j < 3; ++j) {
+          const unsigned v = max(max(ja == j ? m0 : 0u, jb == j ? m1 : 0u), max(jc == j ? m2 : 0u, jd == j ? m3 : 0u));
+          red[4 * j + warp] = v;
+        }
       }
       named_arrive(1, 352);
       if (jobs.fast && any_job) {
@@ -741,19 +779,26 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     float d[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
-    consume<BN, STAGES, L0>(d, sA, sB, full, empty, 0, KL0, c, lane);
-    store_direct<BN>(d, out0, dims.M[0], dims.N[0], p0.m_blk, p0.n_blk, c, ct);
+    if (ia.g == 0) consume<BN, STAGES, L0>(d, sA, sB, full, empty, 0, KLa, c, lane);
+    else consume<BN, STAGES, L1>(d, sA, sB, full, empty, 0, KLa, c, lane);
+    if (ib.g >= 0) {  // the first item is GEMM 0's
+      store_direct<BN>(d, out0, dims.M[0], dims.N[0], ia.p.m_blk, ia.p.n_blk, c, ct);
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
-    consume<BN, STAGES, L1>(d, sA, sB, full, empty, KL0, p1.KL, c, lane);
+      for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+      if (ib.g == 0) consume<BN, STAGES, L0>(d, sA, sB, full, empty, KLa, ib.p.KL, c, lane);
+      else consume<BN, STAGES, L1>(d, sA, sB, full, empty, KLa, ib.p.KL, c, lane);
+    }
     pdl_launch_dependents();
     named_sync(1, 352);  // both warpgroups and the amax warps are done with the stages
-    if (S == 1) {
-      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC1, nullptr, dims.N[1], p1.m_blk, p1.n_blk, c, tid);
+    if (last.g == 0) {
+      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC0, nullptr, dims.N[0], last.p.m_blk, last.p.n_blk, c, tid);
+    } else if (S == 1) {
+      store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC1, nullptr, dims.N[1], last.p.m_blk, last.p.n_blk, c, tid);
     } else {
       // Our stages are free for the peers' partial sums: say so to each,
       // and send ours of their parts once all of theirs are free.
       cluster_wait();
+      cluster_waited = true;
       if (ct == 0) {
 #pragma unroll
         for (int q = 0; q < S; ++q)
@@ -776,7 +821,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // after the receive area, one TMA store each.
       const float4* recv = reinterpret_cast<const float4*>(smem);
       uint8_t* sC = smem + (S - 1) * SLOT + c * (64 * PART * 2);
-      const int w = ct / 32 % 4;
+      const int w = (ct / 32) % 4;
 #pragma unroll
       for (int q = 0; q < S; ++q) {
         if (q != rank) continue;
@@ -803,7 +848,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       if (ct % 128 == 0) {
 #pragma unroll
         for (int sub = 0; sub < PART / 64; ++sub)
-          tma_store(&tmC1, sC + sub * 8192, p1.n_blk * BN + rank * PART + sub * 64, p1.m_blk * kBM + c * 64);
+          tma_store(&tmC1, sC + sub * 8192, last.p.n_blk * BN + rank * PART + sub * 64, last.p.m_blk * kBM + c * 64);
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
       }
@@ -820,7 +865,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       __syncthreads();
     }
   }
-  if (S > 1 && wg == 0) {  // the start's cluster barrier (the consumers waited before their remote accesses)
+  if (S > 1 && !cluster_waited) {  // the start's cluster barrier (reducing consumers waited before their remote accesses)
     __syncwarp();
     cluster_wait();
   }
@@ -1065,6 +1110,9 @@ bool pair_dims(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at
 // gemm_amax_chain_kernel's shared memory: the pair's and two mbarriers.
 constexpr int kChainSmem = gemm_smem_bytes<256, 4, 1>() + 16;
 
+int g_chain_query_error[kMaxDevices];  // exp
+int chain_query_error(int device) { return g_chain_query_error[device]; }
+
 // How many clusters of `S` CTAs of gemm_amax_chain_kernel can be resident
 // at once on `device` (queried once per device).
 template <int S>
@@ -1088,59 +1136,76 @@ int chain_max_clusters(int device) {
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+  const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (err != cudaSuccess) {
     (void)cudaGetLastError();
+    g_chain_query_error[device] = (int)err;
     clusters = 0;
   }
   cached[device].store(clusters + 1, std::memory_order_release);
   return clusters;
 }
 
-// The part count S of gemm_amax_chain_kernel for GEMMs of `dims` on
-// `device`, 0 where it does not run: GEMM 0's T0 tiles of 128 x 256 fill
-// three quarters of the GPU or more in one wave, GEMM 1 has T0 / S of them
-// (S 1, 2 or 4; S = M / N of the layer: both items then take as many k
-// steps), each part at least one k step long, and the T0 / S clusters of S
-// CTAs all resident at once. TORCH_OPS_GEMM_AMAX_CHAIN=0 (read once) turns
-// it off.
-int chain_split(const PairDims& dims, int device) {
+// How gemm_amax_chain_kernel runs GEMMs of `dims` on `device` (S 0: it
+// does not): one CTA per GEMM 0 tile followed by a part of a GEMM 1 tile
+// (doubles 0; S = T0 / T1 parts, 1 or 2), or `doubles` CTAs with two GEMM 0
+// tiles each beside the halves of GEMM 1's tiles (S 2) where T0 / T1 is
+// larger. Either way every CTA resident at once (one wave, three quarters of
+// the GPU or more, and the clusters of S), each part at least one k step,
+// and the CTAs' items about as long (within 3 / 4). Tiles of 128 x 256.
+// TORCH_OPS_GEMM_AMAX_CHAIN=0 (read once) turns it off.
+struct ChainPlan {
+  int S = 0, doubles = 0, blocks = 0;
+};
+
+ChainPlan chain_plan(const PairDims& dims, int device) {
   static const bool enabled = env_flag("TORCH_OPS_GEMM_AMAX_CHAIN", true);
-  if (!enabled) return 0;
+  ChainPlan none;
+  if (!enabled) return none;
   const int sms = device_sm_count(device);
-  long long t[2];
-  for (int g = 0; g < 2; ++g) t[g] = (long long)((dims.M[g] + kBM - 1) / kBM) * ((dims.N[g] + 255) / 256);
-  if (t[0] > sms || t[0] * 4 < 3LL * sms || t[0] % t[1] != 0) return 0;
-  const int S = (int)(t[0] / t[1]);
-  if ((S != 1 && S != 2 && S != 4) || (dims.K[1] + kBK - 1) / kBK < S) return 0;
-  const int resident = S == 1 ? sms : S == 2 ? chain_max_clusters<2>(device) : chain_max_clusters<4>(device);
-  return (S == 1 || resident >= t[0] / S) ? S : 0;
+  long long t[2], kt[2];
+  for (int g = 0; g < 2; ++g) {
+    t[g] = (long long)((dims.M[g] + kBM - 1) / kBM) * ((dims.N[g] + 255) / 256);
+    kt[g] = (dims.K[g] + kBK - 1) / kBK;
+  }
+  auto fits = [&](long long blocks, long long w0, long long w1, int S) {
+    return blocks <= sms && blocks * 4 >= 3LL * sms && 4 * std::min(w0, w1) >= 3 * std::max(w0, w1) &&
+           kt[1] >= S && (S == 1 || chain_max_clusters<2>(device) >= blocks / 2);
+  };
+  if (t[0] % t[1] == 0 && (t[0] / t[1] == 1 || t[0] / t[1] == 2)) {
+    const int S = (int)(t[0] / t[1]);
+    if (fits(t[0], kt[0], (kt[1] + S - 1) / S, S)) return {S, 0, (int)t[0]};
+    return none;
+  }
+  if (t[0] % 4 == 0 && fits(t[0] / 2 + 2 * t[1], 2 * kt[0], (kt[1] + 1) / 2, 2))
+    return {2, (int)(t[0] / 2), (int)(t[0] / 2 + 2 * t[1])};
+  return none;
 }
 
 template <int L0>
 void launch_chain(int device, cudaStream_t stream, const CUtensorMap (&maps)[6], __nv_bfloat16* out0,
-                  const PairDims& dims, const PairJobs& jobs, int blocks, int S) {
-  if (S == 1)
-    launch_gemm<gemm_amax_chain_kernel<256, 4, L0, 1>>(device, stream, (unsigned)blocks, kChainSmem, 1, maps[0],
-                                                        maps[1], maps[3], maps[4], maps[5], out0, dims, jobs);
-  else if (S == 2)
-    launch_gemm<gemm_amax_chain_kernel<256, 4, L0, 2>>(device, stream, (unsigned)blocks, kChainSmem, 2, maps[0],
-                                                        maps[1], maps[3], maps[4], maps[5], out0, dims, jobs);
+                  const PairDims& dims, const PairJobs& jobs, const ChainPlan& plan) {
+  if (plan.S == 1)
+    launch_gemm<gemm_amax_chain_kernel<256, 4, L0, 1>>(device, stream, (unsigned)plan.blocks, kChainSmem, 1, maps[0],
+                                                        maps[1], maps[2], maps[3], maps[4], maps[5], out0,
+                                                        plan.doubles, dims, jobs);
   else
-    launch_gemm<gemm_amax_chain_kernel<256, 4, L0, 4>>(device, stream, (unsigned)blocks, kChainSmem, 4, maps[0],
-                                                        maps[1], maps[3], maps[4], maps[5], out0, dims, jobs);
+    launch_gemm<gemm_amax_chain_kernel<256, 4, L0, 2>>(device, stream, (unsigned)plan.blocks, kChainSmem, 2, maps[0],
+                                                        maps[1], maps[2], maps[3], maps[4], maps[5], out0,
+                                                        plan.doubles, dims, jobs);
 }
 }  // namespace
 
 // Whether gemm_amax_pair runs a0 . b0 in layout0 (0 or 1) and a1 . b1 in
 // layout 2: as gemm_amax_applies for each, on one device, where all their
 // tiles fit in one wave (pair_bn) or GEMM 0's do and GEMM 1's split into
-// as many parts (chain_split).
+// as many parts (chain_plan).
 bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at::Tensor& a1,
                             const at::Tensor& b1) {
   PairDims dims;
   if (!pair_dims(a0, b0, layout0, a1, b1, dims)) return false;
   const int device = (int)a0.get_device();
-  return pair_bn(dims, device_sm_count(device)) > 0 || chain_split(dims, device) > 0;
+  return pair_bn(dims, device_sm_count(device)) > 0 || chain_plan(dims, device).S > 0;
 }
 
 // (out0, out1) = (a0 . b0 in layout0, a1 . b1 in layout 2) in one launch
@@ -1154,8 +1219,8 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
   const bool fits = pair_dims(a0, b0, layout0, a1, b1, dims);
   const int device = (int)a0.get_device();
   const int bn = fits ? pair_bn(dims, device_sm_count(device)) : 0;
-  const int split = fits && bn == 0 ? chain_split(dims, device) : 0;
-  TORCH_CHECK(bn > 0 || split > 0, "gemm_amax_pair: operands it does not take (see gemm_amax_pair_applies)");
+  const ChainPlan chain = fits && bn == 0 ? chain_plan(dims, device) : ChainPlan{};
+  TORCH_CHECK(bn > 0 || chain.S > 0, "gemm_amax_pair: operands it does not take (see gemm_amax_pair_applies)");
   const c10::cuda::CUDAGuard guard(a0.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   at::Tensor out0 = at::empty({dims.M[0], dims.N[0]}, a0.options());
@@ -1178,13 +1243,12 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
   }
   if (n == 0) jobs.fast = 0;
   CUtensorMap maps[6];
-  if (split > 0) {  // gemm_amax_chain_kernel: one CTA per tile of GEMM 0
+  if (chain.S > 0) {  // gemm_amax_chain_kernel
     gemm_maps(a0, b0, out0, layout0, 256, dims.M[0], dims.N[0], dims.K[0], maps);
     gemm_maps(a1, b1, out1, 2, 256, dims.M[1], dims.N[1], dims.K[1], maps + 3);
-    const int blocks = ((dims.M[0] + kBM - 1) / kBM) * ((dims.N[0] + 255) / 256);
     auto* o0 = reinterpret_cast<__nv_bfloat16*>(out0.data_ptr());
-    if (layout0 == 0) launch_chain<0>(device, stream, maps, o0, dims, jobs, blocks, split);
-    else launch_chain<1>(device, stream, maps, o0, dims, jobs, blocks, split);
+    if (layout0 == 0) launch_chain<0>(device, stream, maps, o0, dims, jobs, chain);
+    else launch_chain<1>(device, stream, maps, o0, dims, jobs, chain);
     return {out0, out1};
   }
   gemm_maps(a0, b0, out0, layout0, bn, dims.M[0], dims.N[0], dims.K[0], maps);
@@ -1199,6 +1263,11 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
     else launch_pair<128, 1>(device, stream, maps, dims, jobs, tiles);
   }
   return {out0, out1};
+}
+
+// exp: how many clusters of 2 / 4 chain CTAs can be resident (-1: the query failed).
+std::vector<int64_t> gemm_chain_clusters(int device) {
+  return {chain_max_clusters<2>(device), chain_max_clusters<4>(device), (int64_t)chain_query_error(device)};
 }
 
 // exp: the phase trace into `buf` (int64, 16 per CTA, on the current

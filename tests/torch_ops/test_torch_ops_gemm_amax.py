@@ -241,18 +241,19 @@ class GemmAmaxPairTest(parameterized.TestCase):
             for (h, sc), (rh, rs), name in zip(states, refs, ("g", "W", "x")):
                 self.assertTrue(torch.equal(h, rh) and torch.equal(sc, rs), f"{name} step {step}: {h} vs {rh}")
 
-    @parameterized.product(H=[1, 1152, 1153, 3000], algo=[0, 1])
-    def test_history_lengths_and_no_records(self, H, algo):
+    @parameterized.product(H=[1, 1152, 1153, 3000], algo=[0, 1], mkn=[(1024, 2048, 1024), (4096, 1024, 1024)])
+    def test_history_lengths_and_no_records(self, H, algo, mkn):
         """Both algorithms, histories recorded by the amax warps (up to 1152
-        entries) and by the whole last CTA (longer); a call without records
-        leaves every state alone and gives the same products (within
-        rounding: the k loops are not rotated then)."""
+        entries) and by the whole last CTA (longer), one CTA per tile and
+        the chain; a call without records leaves every state alone and
+        gives the same products (within rounding: the k loops are not
+        rotated then)."""
         ext = _ext()
         states = [_state(H) for _ in range(3)]
         refs = [_state(H) for _ in range(3)]
         name = "max" if algo == 0 else "most_recent"
         for step in range(3):
-            g, x, w_nk, _, args = _pair_operands(1024, 2048, 1024, False, seed=70 + step)
+            g, x, w_nk, _, args = _pair_operands(*mkn, False, seed=70 + step)
             dx, dw = ext.gemm_amax_pair(*args, [list(states[0]), list(states[1]), [], list(states[2])],
                                         [1, 0, 0, 0], algo, 1.0)
             for t, (rh, rs), fmt in ((g, refs[0], E5M2), (w_nk, refs[1], E4M3), (x, refs[2], E4M3)):
