@@ -21,8 +21,6 @@ std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int rows, int pdl
 int set_delayed_prepass(int mode);
 int set_small_record_stream(int mode);
 int set_gemm_amax_in_graphs(int mode);
-void set_gemm_trace(const at::Tensor& buf);
-std::vector<int64_t> gemm_chain_clusters(int device);
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt, int algo,
                         double mdiv, bool skip_zero, const at::Tensor* scale_used);
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
@@ -265,8 +263,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_gemm_amax_in_graphs", &set_gemm_amax_in_graphs,
         "mode (-1: TORCH_OPS_GEMM_AMAX_GRAPHS, 0: cuBLAS and the state kernel while captured, 1: our GEMMs, "
         "2: ours, the forward on cuBLAS where ours would take narrow tiles) -> the previous mode");
-  m.def("gemm_chain_clusters", &torch_ops::gemm_chain_clusters, "device -> [clusters of 2, of 4, query error] (exp)");
-  m.def("set_gemm_trace", &torch_ops::set_gemm_trace, "buf (int64, 16 per CTA; empty: off): exp phase trace");
   m.def("gemm_amax_applies", [](const at::Tensor& a, const at::Tensor& b, int64_t layout) {
     return torch_ops::gemm_amax_applies(a, b, (int)layout);
   });

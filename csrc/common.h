@@ -101,9 +101,12 @@ at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const
 // 1, dW in layout 2): (a0 . b0, a1 . b1); recs: the records of a0, b0, a1,
 // b1 (null: none, at most three non-null). gemm_amax_pair_applies says
 // where it runs: where gemm_amax runs each, and all their tiles fit in one
-// wave of CTAs.
+// wave of CTAs (or dX's do and dW's split into as many parts: the chain).
+// gemm_amax_pair_fits: whether the backward of a (M, K) x (K, N) linear
+// layer (weight in_out or out_in) has the tiles for it.
 bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at::Tensor& a1,
                             const at::Tensor& b1);
+bool gemm_amax_pair_fits(long long M, long long K, long long N, bool in_out, int device);
 std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at::Tensor& b0, int layout0,
                                                  const at::Tensor& a1, const at::Tensor& b1,
                                                  const AmaxRecord* const (&recs)[4], int algo, double mdiv);

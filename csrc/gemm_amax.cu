@@ -36,7 +36,14 @@
 // GEMMs' and takes one launch: 15.6 us against 17.0-17.4 without records,
 // 17.5 with the three (CUDA-graph replay, session 20). A persistent
 // version with 128 x 128 tiles (a ring of stages through each CTA's tiles)
-// took 21.1 (commit bee097b).
+// took 21.1 (commit bee097b). Where dX's tiles fill one wave but dW's do
+// not fit beside them (4096x1024x1024: 128 + 32 tiles, dW's 64 k steps
+// long), gemm_amax_chain_kernel (below) takes the pair's place: every CTA
+// two items of equal length in a row (two dX tiles, or dX tile and a part
+// of a dW tile), dW's parts summed over 2-CTA clusters. 1.3-1.8 us slower
+// than cuBLAS's two GEMMs with the three records (28.7 us against 27.4
+// of the captured step's timeline, session 22), where the records would
+// otherwise cost a launch or our slower forward.
 //
 // Layouts (all row-major, contiguous): 0: out (M, N) = a (M, K) . b (N, K)^T
 // (the forward, out_in weight); 1: a (M, K) . b (K, N) (the forward of an
@@ -80,16 +87,6 @@ struct GemmAmaxJobs {
   int fast;
   const __nv_bfloat16* bias;
 };
-
-// exp/gemm-phases: a per-CTA trace of the kernel's phases (null: off).
-// 16 u64 per CTA in the order the CTAs started (g_trace_ticket).
-__device__ unsigned long long* g_trace;
-__device__ unsigned g_trace_ticket;
-__device__ __forceinline__ unsigned long long gtimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 #ifndef TORCH_OPS_GEMM_AMAX_STUB
 using namespace sm90;  // NOLINT: the PTX wrappers
@@ -346,8 +343,6 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
                                           const __nv_bfloat16* bias, uint8_t* smem_raw) {
   // [4 j + 1..3]: the amax warps' maxima of job j; from 16: the records'.
   __shared__ unsigned red[16 + kRedWords];
-  __shared__ unsigned long long* trace_row;
-  unsigned long long* const tr0 = g_trace;
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   constexpr int A_BYTES = kBM * kBK * 2, B_BYTES = BN * kBK * 2;
   uint8_t* sA = smem;
@@ -370,15 +365,6 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
   for (int j = 0; j < J; ++j) any_job |= jobs.on[j] != 0;
 
   if (tid == 0) {
-    if (tr0) {
-      unsigned long long* row = tr0 + 16ull * atomicAdd(&g_trace_ticket, 1u);
-      unsigned smid;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-      row[0] = blockIdx.x | ((unsigned long long)smid << 32);
-      row[1] = gtimer();
-      row[2] = clock64();
-      trace_row = row;
-    }
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmA)) : "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tmB)) : "memory");
     for (int s = 0; s < STAGES; ++s) {
@@ -394,8 +380,6 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
   }
   if (tid < 16) red[tid] = 0u;
   __syncthreads();
-  unsigned long long* const tr = tr0 ? trace_row : nullptr;
-  if (tr && tid == 0) tr[3] = clock64();
   // Split-K: rank 0's red_full initialized before rank 1 stores into it
   // (rank 1's consumers wait for this barrier before their st.async,
   // every other thread at the end).
@@ -405,7 +389,6 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
     if (warp == 0) {
       if (lane == 0) {
         pdl_wait();  // the operands' producer is done
-        if (tr) tr[4] = clock64();
         for (int i = 0; i < KL; ++i) {
           const int s = i % STAGES, kt = k0 + (i + rot) % KL;
           if (i >= STAGES) mbar_wait(&empty[s], ((i / STAGES) + 1) & 1);
@@ -428,7 +411,6 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
         __syncwarp();
         if (lane == 0) mbar_arrive(&amax_free[s]);
       }
-      if (tr && at == 0) tr[11] = clock64();
       a_max = __reduce_max_sync(0xFFFFFFFFu, max(a_max & 0xFFFFu, a_max >> 16));
       b_max = __reduce_max_sync(0xFFFFFFFFu, max(b_max & 0xFFFFu, b_max >> 16));
       if (lane == 0) {  // bf16 bits -> float32 bits
@@ -442,7 +424,6 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
         job_bits(red, bits);
         named_sync(5, 96);  // red[] is reused below
         record_by_amax_warps<J>(jobs, bits, at, red + 16);
-        if (tr && at == 0) tr[12] = clock64();
       }
     }
   } else {
@@ -454,7 +435,6 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
     for (int i = 0; i < KL; ++i) {
       const int s = i % STAGES;
       mbar_wait(&full[s], (i / STAGES) & 1);
-      if (tr && i == 0 && tid == 128) tr[5] = clock64(), tr[6] = gtimer();
       wgmma_fence();
       mma_stage<BN, LAYOUT>(d, sA + s * A_BYTES, sB + s * B_BYTES, c);
       wgmma_commit();
@@ -462,8 +442,6 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
       if (i > 0 && lane == 0) mbar_arrive(&empty[(i - 1) % STAGES]);
     }
     wgmma_wait<0>();
-    if (tr && tid == 128) tr[7] = clock64();
-    if (tr && tid == 256) tr[13] = clock64();
     bool store = true;
     if (SPLIT > 1) {
       // Rank 1 sends its partial sums into rank 0's red_area (one float4
@@ -492,14 +470,12 @@ __device__ __forceinline__ void gemm_tile(const CUtensorMap& tmA, const CUtensor
     }
     pdl_launch_dependents();
     named_sync(1, 352);  // the amax warps are done with the stages (also where nothing is stored: rank 1)
-    if (tr && tid == 128) tr[8] = clock64();
     if (store) {
       // Through shared memory (the stages, free once both warpgroups and
       // the amax warps are done with them): 128-byte swizzled 64 x 64
       // sub-tiles, one TMA store each.
       store_tile<BN>(d, smem + c * (64 * BN * 2), &tmC, bias, N, m_blk, n_blk, c, tid);
     }
-    if (tr && tid == 128) tr[9] = clock64(), tr[10] = gtimer();
   }
   // Otherwise every thread of every CTA: the amaxes into the state (the
   // last CTA records them; block_done needs the whole block).
@@ -1110,9 +1086,6 @@ bool pair_dims(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at
 // gemm_amax_chain_kernel's shared memory: the pair's and two mbarriers.
 constexpr int kChainSmem = gemm_smem_bytes<256, 4, 1>() + 16;
 
-int g_chain_query_error[kMaxDevices];  // exp
-int chain_query_error(int device) { return g_chain_query_error[device]; }
-
 // How many clusters of `S` CTAs of gemm_amax_chain_kernel can be resident
 // at once on `device` (queried once per device).
 template <int S>
@@ -1136,10 +1109,8 @@ int chain_max_clusters(int device) {
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   int clusters = 0;
-  const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    g_chain_query_error[device] = (int)err;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // not taken then
     clusters = 0;
   }
   cached[device].store(clusters + 1, std::memory_order_release);
@@ -1208,6 +1179,13 @@ bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layo
   return pair_bn(dims, device_sm_count(device)) > 0 || chain_plan(dims, device).S > 0;
 }
 
+bool gemm_amax_pair_fits(long long M, long long K, long long N, bool in_out, int device) {
+  if (M >= (1LL << 31) || K >= (1LL << 31) || N >= (1LL << 31)) return false;
+  // dX (M, K) = g (M, N) . W; dW = g^T x (N, K) or x^T g (K, N), over M.
+  const PairDims dims{{(int)M, (int)(in_out ? K : N)}, {(int)K, (int)(in_out ? N : K)}, {(int)N, (int)M}};
+  return pair_bn(dims, device_sm_count(device)) > 0 || chain_plan(dims, device).S > 0;
+}
+
 // (out0, out1) = (a0 . b0 in layout0, a1 . b1 in layout 2) in one launch
 // (gemm_amax_pair_kernel), each bf16; recs: the records of a0, b0, a1, b1
 // (null: none; at most three), as gemm_amax's. Callers check
@@ -1263,21 +1241,6 @@ std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at:
     else launch_pair<128, 1>(device, stream, maps, dims, jobs, tiles);
   }
   return {out0, out1};
-}
-
-// exp: how many clusters of 2 / 4 chain CTAs can be resident (-1: the query failed).
-std::vector<int64_t> gemm_chain_clusters(int device) {
-  return {chain_max_clusters<2>(device), chain_max_clusters<4>(device), (int64_t)chain_query_error(device)};
-}
-
-// exp: the phase trace into `buf` (int64, 16 per CTA, on the current
-// device; undefined or empty: off), its CTA count reset.
-void set_gemm_trace(const at::Tensor& buf) {
-  unsigned long long* p = buf.defined() && buf.numel() > 0 ? reinterpret_cast<unsigned long long*>(buf.data_ptr())
-                                                           : nullptr;
-  const unsigned zero = 0;
-  TORCH_OPS_CUDA_CHECK(cudaMemcpyToSymbol(g_trace, &p, sizeof(p)));
-  TORCH_OPS_CUDA_CHECK(cudaMemcpyToSymbol(g_trace_ticket, &zero, sizeof(zero)));
 }
 
 }  // namespace torch_ops

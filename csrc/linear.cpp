@@ -450,19 +450,24 @@ at::Tensor small_linear_recorded(const at::Tensor& x2d, const at::Tensor& weight
 }
 
 // The small path's GEMMs while captured into a CUDA graph, for a forward
-// output of (M, N) on `device` (set_gemm_amax_in_graphs; otherwise
-// TORCH_OPS_GEMM_AMAX_GRAPHS, read once): mode 0 cuBLAS's GEMMs and the state
-// kernel on a side stream (kCublas); 1 our GEMMs as eagerly (kOurs: the
-// forward records x and W); 2 (auto, the default) ours, with the forward on
-// cuBLAS where gemm_amax's forward does not take its wide tiles (kOursCublasForward:
-// x and W are recorded by the backward's launch). In graph replay host
-// time is free and what counts is GPU time: our forward is slower than
-// cuBLAS's where its tiles are narrow (1024x2048x1024: 14.3 against 8.9 us)
-// and faster with its records where they are wide (session 18-20,
-// scripts/gemm_amax_graph_probe.py).
+// output of (M, N) from (M, K) on `device` (set_gemm_amax_in_graphs;
+// otherwise TORCH_OPS_GEMM_AMAX_GRAPHS, read once): mode 0 cuBLAS's GEMMs
+// and the state kernel on a side stream (kCublas); 1 our GEMMs as eagerly
+// (kOurs: the forward records x and W); 3 our backward and cuBLAS's forward
+// (kOursCublasForward: x and W are recorded by the backward's launch); 2
+// (auto, the default) 3 where the backward is one launch of ours
+// (gemm_amax_pair_fits, both gradients needed) or gemm_amax's forward would
+// take narrow tiles, else 1. In graph replay host time is free and what
+// counts is GPU time: our forward is slower than cuBLAS's (1024x2048x1024:
+// 14.3 against 8.9 us; 4096x1024x1024: 16.4 against 14.1 with its
+// records), which pays where the backward's one launch records x and W
+// beside the gradient at little cost (4096x1024x1024 as gemm_amax_pair's
+// chain: step 43.2 us against 44.3 with our forward, session 22) and where
+// nothing else records them (sessions 18-22,
+// scripts/gemm_amax_graph_probe.py, scripts/graph_kernels.py).
 enum class GraphGemms { kCublas, kOurs, kOursCublasForward };
 std::atomic<int> g_gemm_amax_in_graphs{-1};
-GraphGemms gemm_amax_in_graphs(long long M, long long N, int device) {
+GraphGemms gemm_amax_in_graphs(long long M, long long K, long long N, bool in_out, bool both_grads, int device) {
   int mode = g_gemm_amax_in_graphs.load(std::memory_order_relaxed);
   if (mode < 0) {
     static const int env =
@@ -470,9 +475,10 @@ GraphGemms gemm_amax_in_graphs(long long M, long long N, int device) {
     mode = env;
   }
   if (mode == 0) return GraphGemms::kCublas;
-  if (mode == 3) return GraphGemms::kOursCublasForward;  // exp: the forward on cuBLAS at every shape
-  if (mode == 1 || gemm_amax_wide(M, N, device)) return GraphGemms::kOurs;
-  return GraphGemms::kOursCublasForward;
+  if (mode == 1) return GraphGemms::kOurs;
+  if (mode == 3 || (both_grads && gemm_amax_pair_fits(M, K, N, in_out, device)) || !gemm_amax_wide(M, N, device))
+    return GraphGemms::kOursCublasForward;
+  return GraphGemms::kOurs;
 }
 
 // The small path on our own bf16 GEMMs (gemm_amax.cu), which record the
@@ -662,7 +668,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
   // (The mode is looked up on every such call: an unknown value of its
   // environment variable warns at the first, captured or not.)
   const GraphGemms graph_mode =
-      small_amax_fits ? gemm_amax_in_graphs(x2d.size(0), N, (int)x2d.get_device()) : GraphGemms::kOurs;
+      small_amax_fits ? gemm_amax_in_graphs(x2d.size(0), K, N, in_out, need_dx && need_dw, (int)x2d.get_device())
+                      : GraphGemms::kOurs;
   const GraphGemms graph_gemms =
       small_amax_fits && stream_capturing(c10::cuda::getCurrentCUDAStream(x2d.get_device()).stream())
           ? graph_mode

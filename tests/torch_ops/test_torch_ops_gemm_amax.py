@@ -393,21 +393,23 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
             for u, v in zip(st.tensors(), st_ref.tensors()):
                 self.assertTrue(torch.equal(u, v), x_grad)
 
-    @parameterized.parameters((1, 1024, 2048, 1024, True, True, True), (2, 4096, 1024, 1024, True, True, True),
+    @parameterized.parameters((1, 1024, 2048, 1024, True, True, True), (2, 4096, 1024, 1024, False, True, True),
+                              (2, 4096, 1024, 1024, True, True, False), (1, 4096, 1024, 1024, True, False, True),
                               (2, 1024, 2048, 1024, False, True, True), (-1, 1024, 2048, 1024, False, False, True),
                               (0, 1024, 2048, 1024, False, True, True), (2, 4096, 1024, 512, False, False, True),
                               (2, 1024, 2048, 1024, False, False, False), (3, 4096, 1024, 1024, False, False, True))
     def test_cuda_graph_replay_equals_eager(self, mode, M, K, N, ours, bias, x_grad):
-        """set_gemm_amax_in_graphs(1), and 2 (auto) where the forward takes
-        wide tiles: captured calls take our GEMMs as eager calls do; replays
-        equal them bit for bit, state included. Auto elsewhere (also as the
-        environment's default, -1): cuBLAS's forward (its output within
-        bf16 rounding: the eager forward splits K over two CTAs there) and
-        our backward recording x and W too, in one launch where dX's and
-        dW's tiles fit one wave, else dX recording g and W and a launch for
-        x (4096x1024x512), or, with no dX needed, one launch for all three;
-        0: cuBLAS's GEMMs and the state kernel; 3: cuBLAS's forward at every
-        shape. The same state bit for bit in every mode."""
+        """set_gemm_amax_in_graphs(1): captured calls take our GEMMs as eager
+        calls do; replays equal them bit for bit, state included. 2 (auto,
+        also as the environment's default, -1): where the backward is one
+        launch of ours (dX and dW in one wave: 1024x2048x1024; the chain:
+        4096x1024x1024) or our forward would take narrow tiles, cuBLAS's
+        forward (its output within bf16 rounding of the eager one) and our
+        backward recording x and W too; else (4096x1024x512: dX recording g
+        and W, a launch for x; with no dX needed, one launch for all three;
+        4096x1024x1024 without dX: our forward) as 1. 0: cuBLAS's GEMMs and
+        the state kernel; 3: cuBLAS's forward at every shape. The same state
+        bit for bit in every mode."""
         ext = _ext()
         was = ext.set_gemm_amax_in_graphs(mode)
         self.addCleanup(ext.set_gemm_amax_in_graphs, was)
@@ -425,6 +427,9 @@ class SmallPathOnGemmAmaxTest(parameterized.TestCase):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
+            # The backward thread's cuBLAS handle made before the capture
+            # (mode 0 calls cuBLAS there only while captured).
+            torch.nn.functional.linear(x.detach().requires_grad_(), w).sum().backward()
             for _ in range(2):
                 sg.copy_(gy)
                 torch_ops.fp8_linear(*leaves, state=warm, min_gemm_size=1 << 40).backward(sg)
