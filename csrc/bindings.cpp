@@ -223,8 +223,8 @@ int set_small_record_stream(int64_t mode) {
 int set_gemm_amax_in_graphs(int64_t mode) {
   TORCH_CHECK_VALUE(mode >= -1 && mode <= 3,
                     "mode: expected -1 (as TORCH_OPS_GEMM_AMAX_GRAPHS says), 0 (cuBLAS's GEMMs and the state kernel "
-                    "while captured), 1 (our GEMMs), 2 (auto: ours, the forward on cuBLAS where ours would take "
-                    "narrow tiles) or 3 (ours, the forward on cuBLAS), got ",
+                    "while captured), 1 (our GEMMs), 2 (auto: 3 where the backward is one launch of ours or our forward "
+                    "would take narrow tiles, else 1) or 3 (ours, the forward on cuBLAS), got ",
                     std::to_string(mode));
   return torch_ops::set_gemm_amax_in_graphs((int)mode);
 }
@@ -262,7 +262,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(one launch, recording the operands with a state)");
   m.def("set_gemm_amax_in_graphs", &set_gemm_amax_in_graphs,
         "mode (-1: TORCH_OPS_GEMM_AMAX_GRAPHS, 0: cuBLAS and the state kernel while captured, 1: our GEMMs, "
-        "2: ours, the forward on cuBLAS where ours would take narrow tiles) -> the previous mode");
+        "2: auto, 3: ours, the forward on cuBLAS) -> the previous mode");
   m.def("gemm_amax_applies", [](const at::Tensor& a, const at::Tensor& b, int64_t layout) {
     return torch_ops::gemm_amax_applies(a, b, (int)layout);
   });

@@ -462,8 +462,8 @@ at::Tensor small_linear_recorded(const at::Tensor& x2d, const at::Tensor& weight
 // 14.3 against 8.9 us; 4096x1024x1024: 16.4 against 14.1 with its
 // records), which pays where the backward's one launch records x and W
 // beside the gradient at little cost (4096x1024x1024 as gemm_amax_pair's
-// chain: step 43.2 us against 44.3 with our forward, session 22) and where
-// nothing else records them (sessions 18-22,
+// chain: step 43.2-43.7 us against 44.3-44.4 with our forward, session 22)
+// and where nothing else records them (sessions 18-22,
 // scripts/gemm_amax_graph_probe.py, scripts/graph_kernels.py).
 enum class GraphGemms { kCublas, kOurs, kOursCublasForward };
 std::atomic<int> g_gemm_amax_in_graphs{-1};
