@@ -179,10 +179,11 @@ class GemmAmaxTest(parameterized.TestCase):
 # ragged M, 128 x 128 tiles with one k step per dX tile beside long dW
 # tiles (2048 x 512 x 64), 128 x 256 tiles (ragged, and the small-path
 # shape 1024x2048x1024); and as gemm_amax_chain_kernel where only dX's
-# 128 x 256 tiles fit one wave and dW's split into M / N parts of its k
-# steps: 4096x1024x1024 (four parts, clusters of four), ragged
-# (4000x1016x1000: a shorter last part), two parts (2048x2048x1024) and one
-# (1024x4096x1024). 8192x1024x1024: dX's tiles alone fill more than one wave.
+# 128 x 256 tiles fit one wave: two dX tiles per CTA beside dW's tiles in
+# halves (4096x1024x1024; ragged 4000x1016x1000, a shorter second half), or
+# a dX tile and a part of a dW tile per CTA, two parts (2048x2048x1024) or
+# one (1024x4096x1024). 8192x1024x1024: dX's tiles alone fill more than one
+# wave.
 PAIR_SHAPES = [(8, 8, 8), (136, 72, 24), (300, 64, 48), (129, 520, 264), (2048, 512, 64), (1000, 2040, 1016),
                (1024, 2048, 1024), (4096, 1024, 1024), (4000, 1016, 1000), (2048, 2048, 1024), (1024, 4096, 1024),
                (8192, 1024, 1024)]
@@ -203,8 +204,7 @@ def _pair_operands(M, K, N, in_out, seed, special=False):
 
 class GemmAmaxPairTest(parameterized.TestCase):
     """gemm_amax_pair: dX and dW in one launch (one CTA per tile of either,
-    or per dX tile followed by a part of a dW tile: the chain), recording g,
-    W, x."""
+    or the chain: two items per CTA), recording g, W, x."""
 
     @parameterized.product(in_out=[False, True], mkn=PAIR_SHAPES)
     def test_products_and_state(self, in_out, mkn):
