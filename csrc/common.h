@@ -1,50 +1,39 @@
 #pragma once
-// Error checks and message helpers shared by the extension's translation units.
+// The C++ API between the extension's translation units, and the checks and
+// helpers they share. bindings.cpp exposes these to Python (torch_ops/ops.py
+// and torch_ops/linear.py); torch_ops/reference.py is the reference of every
+// numerics rule they implement.
 //
 // Integers go into error messages as std::to_string(...), shapes through
-// shape_str: on the H200 (torch 2.11, g++ 13) a TORCH_CHECK message that
-// streamed an int, a long or an IntArrayRef killed the process (SIGSEGV)
-// instead of raising, also in a minimal extension built with torch's own
-// flags (scripts/cxx_throw_probe.py), while strings, devices and dtypes were
-// fine.
+// shape_str: with torch 2.11 and g++ 13, a TORCH_CHECK message that streamed
+// an int, a long or an IntArrayRef killed the process (SIGSEGV) instead of
+// raising, while strings, devices and dtypes were fine.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
-#include <initializer_list>
 #include <string>
+#include <tuple>
+#include <vector>
+
+#define TORCH_OPS_CUDA_CHECK(expr)                                                                        \
+  do {                                                                                                    \
+    cudaError_t err__ = (expr);                                                                           \
+    TORCH_CHECK(err__ == cudaSuccess, "torch_ops: CUDA error in ", #expr, ": ", cudaGetErrorString(err__), \
+                " (", __FILE__, ":", std::to_string(__LINE__), ")");                                      \
+  } while (0)
 
 namespace torch_ops {
-// Per-device tables (streams, kernel handles, cached attributes) hold this
-// many devices; larger indices fail with a clear error or skip the cache.
+// Per-device tables (workspaces, cached attributes) hold this many devices;
+// larger indices are looked up on every call.
 constexpr int kMaxDevices = 64;
 
-// The index in `choices` of environment variable `name`'s value; `dflt`
-// where it is unset or empty. Any other value warns (naming the variable and
-// the values it accepts) and gives `dflt`. For settings read once.
-inline int env_choice(const char* name, std::initializer_list<const char*> choices, int dflt) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || v[0] == 0) return dflt;
-  int i = 0;
-  std::string accepted;
-  for (const char* c : choices) {
-    if (std::strcmp(v, c) == 0) return i;
-    accepted += std::string(i ? ", '" : "'") + c + "'";
-    ++i;
-  }
-  TORCH_WARN(name, "='", std::string(v), "' is not one of ", accepted, "; using the default");
-  return dflt;
-}
-
-// An on/off setting: 1, true, on, yes / 0, false, off, no; unset or empty
-// gives `dflt`, anything else warns (env_choice) and gives `dflt`.
-inline bool env_flag(const char* name, bool dflt) {
-  return env_choice(name, {"0", "false", "off", "no", "1", "true", "on", "yes"}, dflt ? 4 : 0) >= 4;
-}
+// FP8 formats as the launches take them.
+constexpr int kE4M3 = 0;
+constexpr int kE5M2 = 1;
 
 // "(4, 7)" / "(5,)" as Python prints a shape tuple.
 inline std::string shape_str(const at::Tensor& t) {
@@ -71,104 +60,6 @@ inline void check_f32_state(const at::Tensor& t, const char* name, const at::Ten
                 std::to_string(numel) + " elements", ", got shape ", shape_str(t));
 }
 
-// One tensor of a delayed-scaling state update without quantizing
-// (amax_record_launch, quantize.cu): the tensor, its amax history and scale
-// (float32, updated in place) and its FP8 format (0 E4M3, 1 E5M2).
-constexpr int kMaxRecordJobs = 3;
-struct AmaxRecord {
-  const at::Tensor* x;
-  const at::Tensor* hist;
-  const at::Tensor* scale;
-  int fmt;
-};
-struct FoldJob;  // below
-// `fold`: optional; the last block of the first tensor's job also runs it.
-void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv, const FoldJob* fold = nullptr);
-
-// The small path's bf16 GEMM that records its operands' amax (gemm_amax.cu):
-// layout 0: out (M, N) = a (M, K) . b (N, K)^T; 1: a (M, K) . b (K, N);
-// 2: a (K, M)^T . b (K, N). rec_a / rec_b (null: not recorded; the record's
-// `x` is unused: the operand is the tensor); `bias`: added to each output
-// row (bf16, contiguous, 4-byte aligned: gemm_amax_bias_applies). gemm_amax_applies says where it
-// runs (bf16, contiguous, 16-byte aligned, rows a multiple of 8 elements,
-// an sm_90 device).
-bool gemm_amax_applies(const at::Tensor& a, const at::Tensor& b, int layout);
-bool gemm_amax_bias_applies(const at::Tensor& bias, long long n, const at::Tensor& like);
-bool gemm_amax_wide(long long M, long long N, int device);
-at::Tensor gemm_amax(const at::Tensor& a, const at::Tensor& b, int layout, const AmaxRecord* rec_a,
-                     const AmaxRecord* rec_b, int algo, double mdiv, const at::Tensor* bias = nullptr);
-// Two of them in one launch (the small path's backward: dX in layout 0 or
-// 1, dW in layout 2): (a0 . b0, a1 . b1); recs: the records of a0, b0, a1,
-// b1 (null: none, at most three non-null). gemm_amax_pair_applies says
-// where it runs: where gemm_amax runs each, and all their tiles fit in one
-// wave of CTAs (or dX's do and dW's split into as many parts: the chain).
-// gemm_amax_pair_fits: whether the backward of a (M, K) x (K, N) linear
-// layer (weight in_out or out_in) has the tiles for it.
-bool gemm_amax_pair_applies(const at::Tensor& a0, const at::Tensor& b0, int layout0, const at::Tensor& a1,
-                            const at::Tensor& b1);
-bool gemm_amax_pair_fits(long long M, long long K, long long N, bool in_out, int device);
-std::pair<at::Tensor, at::Tensor> gemm_amax_pair(const at::Tensor& a0, const at::Tensor& b0, int layout0,
-                                                 const at::Tensor& a1, const at::Tensor& b1,
-                                                 const AmaxRecord* const (&recs)[4], int algo, double mdiv);
-
-// keras_fp8's gradient channel folded into the gradient's scaling state by
-// one block (fold.cu: fold_grad_amax, and torch_ops/fold.py for the meaning
-// of every entry): reads `pending` and `fold_state`, updates `history`,
-// `scale` and `fold_state` in place and writes the snapshots `token_out`,
-// `scale_out` and `history_out`. `pending` null: no job.
-struct FoldJob {
-  const float* pending = nullptr;
-  float* fold_state = nullptr;
-  float* history = nullptr;
-  float* scale = nullptr;
-  float* token_out = nullptr;
-  float* scale_out = nullptr;
-  float* history_out = nullptr;
-  int H = 0;
-  int window = 0;
-  float inv_max = 0.0f;
-  float mdiv = 1.0f;
-  int most_recent = 0;
-  int update_scale = 0;
-};
-
-// One-block work that the last block of a quantize launch (quantize.cu) does
-// after the call's own state update, instead of a launch of its own
-// (linear.cpp: two fewer launches per layer and step on keras_fp8's path):
-//   fold    a FoldJob (the forward's fold of the gradient channel);
-//   emit_n  1 or 3: amax_out receives the gradient-channel value instead of
-//           the amax: a non-finite amax reads 0, and a (3,) channel gets
-//           [amax, *emit_token (0 where null), 0] (emit_pending_grad).
-struct QuantizeExtras {
-  FoldJob fold;
-  int emit_n = 0;
-  const float* emit_token = nullptr;
-};
-
-// fold_grad_amax in two steps (fold.cu): the checks, the snapshot tensors and
-// the job, then its launch (on its own, or by a quantize's last block).
-struct FoldOutputs {
-  at::Tensor token, scale, history;
-  FoldJob job;
-};
-FoldOutputs prepare_fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state, const at::Tensor& history,
-                                   const at::Tensor& scale, double inv_max, double mdiv, int algo, long long window,
-                                   bool update_scale);
-void fold_launch(const at::Tensor& like, const FoldJob& job);
-
-// True when `stream` is capturing a CUDA graph, or its state cannot be read
-// (gemm.cpp).
-bool stream_capturing(cudaStream_t stream);
-}  // namespace torch_ops
-
-#define TORCH_OPS_CUDA_CHECK(expr)                                                     \
-  do {                                                                                 \
-    cudaError_t err__ = (expr);                                                        \
-    TORCH_CHECK(err__ == cudaSuccess, "torch_ops: CUDA error in ", #expr, ": ",        \
-                cudaGetErrorString(err__), " (", __FILE__, ":", std::to_string(__LINE__), ")");       \
-  } while (0)
-
-namespace torch_ops {
 // `device`'s value of `attr`, looked up once per device (through `cache`:
 // zero until then; devices past kMaxDevices are looked up every call).
 inline int cached_device_attribute(std::atomic<int> (&cache)[kMaxDevices], cudaDeviceAttr attr, int device) {
@@ -181,8 +72,7 @@ inline int cached_device_attribute(std::atomic<int> (&cache)[kMaxDevices], cudaD
   return v;
 }
 
-// The SM count of `device`, and its compute capability as major * 10 +
-// minor: the per-device attributes the launches size and choose by.
+// The SM count of `device`, and its compute capability as major * 10 + minor.
 inline int device_sm_count(int device) {
   static std::atomic<int> cache[kMaxDevices];
   return cached_device_attribute(cache, cudaDevAttrMultiProcessorCount, device);
@@ -195,7 +85,7 @@ inline int device_capability(int device) {
 
 // Makes `t`'s device current for the scope, switching (and switching back)
 // only when it is not current already: a CUDAGuard's set and restore are
-// runtime calls on every launch, host time that the small path pays per step.
+// runtime calls on every launch, host time on the eager path.
 struct DeviceScope {
   c10::cuda::OptionalCUDAGuard guard;
   explicit DeviceScope(const at::Tensor& t) {
@@ -204,4 +94,102 @@ struct DeviceScope {
     if (current != t.get_device()) guard.set_index(t.get_device());
   }
 };
+
+// keras_fp8's gradient channel folded into the gradient's scaling state by
+// one block (fold_block.cuh; torch_ops/reference.py's fold_pending_grad_amax
+// is the reference): reads `pending` and `fold_state`, updates `history`,
+// `scale` and `fold_state` in place and writes the copies `token_out`,
+// `scale_out` and `history_out`. `pending` null: no job.
+struct FoldJob {
+  const float* pending = nullptr;
+  float* fold_state = nullptr;
+  float* history = nullptr;
+  float* scale = nullptr;
+  float* token_out = nullptr;
+  float* scale_out = nullptr;
+  float* history_out = nullptr;
+  int H = 0;
+  int window = 0;
+  float inv_max = 0.0f;
+  float mdiv = 1.0f;  // the margin's multiplier of the scale
+  int most_recent = 0;
+  int update_scale = 0;
+};
+
+// Work the last block of a quantize launch does after the call's own state
+// update, instead of a launch of its own (linear.cpp: two launches fewer per
+// layer and step on keras_fp8's path):
+//   fold    a FoldJob (the forward's fold of the gradient channel);
+//   emit_n  1 or 3: amax_out receives the gradient-channel value instead of
+//           the amax: a non-finite amax reads 0, and a (3,) channel gets
+//           [amax, *emit_token (0 where null), 0].
+struct QuantizeExtras {
+  FoldJob fold;
+  int emit_n = 0;
+  const float* emit_token = nullptr;
+};
+
+// ---------------------------------------------------------------------------
+// quantize.cu
+
+// x: contiguous (R, C) on CUDA; the outputs are allocated by the caller.
+//   scale_mode 0: quantize with `scale_in` (scale_used is scale_in);
+//              1: delayed scaling (`scale_in` is the state's scale; seeded
+//                 from the amax where `hist_for_empty` is empty);
+//              2: current scaling (`scale_in`: the fallback, may be undefined).
+//   history, scale_state: where a recording call shifts the amax in and
+//   writes the next scale (undefined: nothing recorded).
+//   q (R, ldq), qt (C, ldqt): undefined where not wanted; padding columns
+//   are written as zero bytes. mdiv: the margin's multiplier of the scale.
+void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int scale_mode,
+                     const at::Tensor& scale_in, const at::Tensor& scale_used, const at::Tensor& amax_out,
+                     const at::Tensor& history, const at::Tensor& scale_state, const at::Tensor& hist_for_empty,
+                     const at::Tensor& q, long long ldq, const at::Tensor& qt, long long ldqt, int algo,
+                     double mdiv, bool skip_zero, const QuantizeExtras* extras);
+
+// Records `amax` into `history` (if finite; and > 0 with skip_zero) and
+// writes the next scale into `scale`.
+void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt,
+                        int algo, double mdiv, bool skip_zero);
+
+// ---------------------------------------------------------------------------
+// fold.cu
+
+// fold_grad_amax in two steps: the checks, the copies and the job, then its
+// launch (on its own, or by a quantize's last block: QuantizeExtras).
+struct FoldOutputs {
+  at::Tensor token, scale, history;
+  FoldJob job;
+};
+FoldOutputs prepare_fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state, const at::Tensor& history,
+                                   const at::Tensor& scale, double inv_max, double mdiv, int algo, long long window,
+                                   bool update_scale);
+void fold_launch(const at::Tensor& like, const FoldJob& job);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state,
+                                                              const at::Tensor& history, const at::Tensor& scale,
+                                                              double inv_max, double mdiv, int algo,
+                                                              long long window, bool update_scale);
+
+// ---------------------------------------------------------------------------
+// gemm.cpp
+
+// out (M, N) = (a @ b^T) * scale_a * scale_b (+ bias), a (M, K) and b (N, K)
+// FP8, through cuBLASLt; `autotune`: time the candidates of a shape's first
+// call (outside graph capture) and keep the fastest.
+at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
+                    const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum, bool autotune);
+
+// True when `stream` is capturing a CUDA graph, or its state cannot be read.
+bool stream_capturing(cudaStream_t stream);
+
+// ---------------------------------------------------------------------------
+// linear.cpp: the eager entry of torch_ops/linear.py (see there)
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                  const std::vector<at::Tensor>& state, int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo,
+                  bool in_out, bool training, const c10::optional<at::Tensor>& sink, bool autotune);
+at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                         const at::Tensor& pending, const at::Tensor& fold_state, const std::vector<at::Tensor>& state,
+                         int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo, int64_t window, bool in_out,
+                         bool training, bool autotune);
 }  // namespace torch_ops

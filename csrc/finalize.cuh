@@ -2,10 +2,9 @@
 // The state update of an amax by the last block of a launch: `Finalize`
 // describes it (workspace counters, history, scales, the seed rule), each
 // block calls `block_done` with its amax bits at its end, and the last one
-// records the amax (history shift, next scale; DESIGN.md), seeds a scale
-// where there was none, and runs the launch's extras (fold_block.cuh).
-// Shared by the quantize kernels (quantize.cu) and the bf16 GEMM that takes
-// its operands' amax (gemm_amax.cu). Every thread of the block must call
+// records the amax (history shift, next scale; docs/numerics.md), seeds a
+// scale where there was none, and runs the launch's extras (fold_block.cuh).
+// Used by the quantize kernels (quantize.cu). Every thread of the block must call
 // block_done; any block of whole warps (up to 1024 threads).
 
 #include <cuda_runtime.h>
@@ -147,8 +146,7 @@ __device__ __forceinline__ void block_reduce_max2(unsigned& a, unsigned& b, unsi
   b = smem[32];
 }
 
-// The record's two scale rules, shared by finalize_one_pass and
-// gemm_amax.cu's record by its amax warps. The scale this call quantized
+// The record's two scale rules (finalize_one_pass). The scale this call quantized
 // with: from its amax where it seeds (`from_amax`: current scaling, or an
 // empty history), else the state's `prev`.
 __device__ __forceinline__ float record_scale_used(float amax, float prev, bool from_amax, const Finalize& f) {
@@ -336,32 +334,6 @@ __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem
 
 // The largest finite value of an FP8 format (0 E4M3, 1 E5M2).
 inline float fmax_of(int fmt) { return fmt == 1 ? 57344.0f : 448.0f; }
-
-// The Finalize of a delayed-scaling record of one amax (no fp8 output): the
-// history and scale of `r`, counters at `ws` (two words, zero before the
-// launch), the scale the record finds (seeded from the amax where the
-// history is empty, else the state's) written to `scale_used`.
-inline Finalize record_finalize(const AmaxRecord& r, unsigned* ws, float* scale_used, int algo, double mdiv) {
-  Finalize f;
-  float* hist = r.hist->data_ptr<float>();
-  float* scale = r.scale->data_ptr<float>();
-  f.ws = ws;
-  f.amax_out = nullptr;
-  f.history = hist;
-  f.H = r.hist->numel();
-  f.scale_state = scale;
-  f.scale_used = scale_used;
-  f.algo = algo;
-  f.fmax = fmax_of(r.fmt);
-  f.mdiv = (float)mdiv;
-  f.skip_zero = 0;
-  f.seed_mode = 1;
-  f.prev_scale = scale;
-  f.seed_history = hist;
-  f.seed_H = f.H;
-  f.scale_used_out = scale_used;
-  return f;
-}
 
 }  // namespace
 }  // namespace torch_ops

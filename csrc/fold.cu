@@ -1,5 +1,5 @@
 // Folding a pending output-gradient amax into the gradient's scaling state, in
-// one launch (keras_fp8's gradient channel; torch_ops/fold.py has the
+// one launch (keras_fp8's gradient channel; torch_ops/reference.py has the
 // reference and the meaning of every entry). The block's work is
 // fold_block.cuh's, which quantize.cu's last block also runs where a layer's
 // forward folds during its input's quantize (linear.cpp).

@@ -1,7 +1,7 @@
 #pragma once
 // The fold of keras_fp8's gradient channel by one block (fold.cu launches it
 // on its own; quantize.cu's last block runs it after a quantize's state
-// update, QuantizeExtras). torch_ops/fold.py has the reference and the
+// update, QuantizeExtras). torch_ops/reference.py (fold_pending_grad_amax) has the reference and the
 // meaning of every entry; the same float32 operations in the same order, so
 // the state is bit-identical.
 //

@@ -7,17 +7,16 @@
 // D = op(A) op(B) with A = b stored (K x N) col-major, op T, and B = a stored
 // (K x M) col-major, op N.
 //
-// Algorithm choice (TORCH_OPS_GEMM_AUTOTUNE, read once; default "1"): on the
+// Algorithm choice (`autotune`, torch_ops.Settings.gemm_autotune): on the
 // first call of a plan key we ask cuBLASLt for up to kMaxCandidates heuristic
 // algorithms and time each on the call's own operands (output written into the
-// call's `out`, which the real GEMM then overwrites), keeping the fastest;
-// with TORCH_OPS_GEMM_VARIANTS (default "1") also variants of the top-1 and of
-// the fastest candidate (CTA swizzling, custom options, cluster shapes:
-// variants_of). "0" keeps the heuristic's top-1 (what torch._scaled_mm does).
-// A first call made while the current stream is capturing a CUDA graph never
-// times (no synchronization during capture): it uses the top-1 and the plan
-// is tuned on the next call outside capture. TORCH_OPS_GEMM_AUTOTUNE_LOG=1
-// prints one line per tuned plan to stderr.
+// call's `out`, which the real GEMM then overwrites), and variants of the
+// top-1 and of the fastest candidate (CTA swizzling, custom options, cluster
+// shapes: variants_of), keeping the fastest. Without it the heuristic's top-1
+// runs (what torch._scaled_mm does). A first call made while the current
+// stream is capturing a CUDA graph never times (no synchronization during
+// capture): it uses the top-1 and the plan is tuned on the next call outside
+// capture.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -25,7 +24,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <cstdint>
@@ -50,23 +48,6 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
 constexpr int kMaxCandidates = 16;
-
-bool autotune_enabled() {
-  static const bool on = env_flag("TORCH_OPS_GEMM_AUTOTUNE", true);
-  return on;
-}
-
-bool autotune_log() {
-  static const bool on = env_flag("TORCH_OPS_GEMM_AUTOTUNE_LOG", false);
-  return on;
-}
-
-// Whether autotuning also times variants of the heuristic's configurations
-// (variants_of; TORCH_OPS_GEMM_VARIANTS, read once; default on).
-bool variants_enabled() {
-  static const bool on = env_flag("TORCH_OPS_GEMM_VARIANTS", true);
-  return on;
-}
 
 cudaDataType_t fp8_type(const at::Tensor& t, const char* name) {
   if (t.scalar_type() == at::kFloat8_e4m3fn) return CUDA_R_8F_E4M3;
@@ -254,9 +235,9 @@ uint16_t cluster_attr(const cublasLtMatmulAlgo_t& algo) {
 
 // Variants of `base` (the same kernel family): CTA swizzling toggled, each
 // custom option, a few cluster shapes; kept where cublasLtMatmulAlgoCheck
-// accepts them for these descriptors within our workspace. The heuristic
-// returns 8 configurations for our FP8 shapes on the H200 (session 8); these
-// are the knobs it leaves at one value.
+// accepts them for these descriptors within our workspace: the knobs
+// cuBLASLt's heuristic leaves at one value across the configurations it
+// returns for FP8 shapes.
 std::vector<cublasLtMatmulAlgo_t> variants_of(cublasLtHandle_t h, const Descs& ds, const cublasLtMatmulAlgo_t& base) {
   std::vector<cublasLtMatmulAlgo_t> out;
   auto keep_if_valid = [&](const cublasLtMatmulAlgo_t& a) {
@@ -298,12 +279,10 @@ std::vector<cublasLtMatmulAlgo_t> variants_of(cublasLtHandle_t h, const Descs& d
 // each, so that clock drift does not favour one. The top-1 stays unless
 // another is faster by more than 0.5%. Synchronizes the stream: never call
 // under graph capture.
-void tune_plan(Plan& p, cublasLtHandle_t h, const void* A, const void* B, void* D, void* ws, cudaStream_t stream,
-               long long M, long long N, long long K) {
+void tune_plan(Plan& p, cublasLtHandle_t h, const void* A, const void* B, void* D, void* ws, cudaStream_t stream) {
   p.tuned = true;  // whatever happens below, tune once
   std::vector<cublasLtMatmulAlgo_t> c = p.ds->candidates;
   const int n_heuristic = (int)c.size();
-  if (n_heuristic <= 1 && !variants_enabled()) return;
   RelaxedCaptureMode relaxed;
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) {
@@ -313,7 +292,7 @@ void tune_plan(Plan& p, cublasLtHandle_t h, const void* A, const void* B, void* 
   }
   std::vector<float> t1(n_heuristic, -1.0f);
   for (int i = 0; i < n_heuristic; ++i) t1[i] = time_algo(h, *p.ds, c[i], A, B, D, ws, stream, e0, e1, 1, 3);
-  if (variants_enabled()) {
+  {
     // Variants of the top-1 and of the fastest heuristic candidate.
     int fastest = 0;
     for (int i = 1; i < n_heuristic; ++i)
@@ -351,18 +330,6 @@ void tune_plan(Plan& p, cublasLtHandle_t h, const void* A, const void* B, void* 
   if (best < 0) return;  // nothing timed: keep the top-1
   if (best != 0 && t2[0] > 0 && t2[0] <= t2[best] * 1.005f) best = 0;
   p.algo = c[best];
-  if (autotune_log()) {
-    std::fprintf(stderr,
-                 "torch_ops gemm autotune: M=%lld N=%lld K=%lld: %d candidates (%d heuristic), top-1 %.4f ms, "
-                 "chosen #%d %.4f ms (%.1f%%; algo id %d tile %d stages %d split-k %d swizzle %d custom %d "
-                 "cluster %d)\n",
-                 M, N, K, n, n_heuristic, t2[0], best, t2[best], t2[0] > 0 ? 100.0 * (t2[0] / t2[best] - 1.0) : 0.0,
-                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_ID), algo_attr(c[best], CUBLASLT_ALGO_CONFIG_TILE_ID),
-                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_STAGES_ID),
-                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-                 algo_attr(c[best], CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION), (int)cluster_attr(c[best]));
-  }
 }
 
 at::Tensor fallback_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
@@ -389,7 +356,7 @@ bool stream_capturing(cudaStream_t stream) {
 
 at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& scale_a,
                     const at::Tensor& scale_b, const c10::optional<at::Tensor>& bias_in, at::ScalarType od,
-                    bool fast_accum) {
+                    bool fast_accum, bool autotune) {
   TORCH_CHECK(a_in.dim() == 2, "a: expected a 2-D fp8 tensor (M, K), got shape ", shape_str(a_in));
   TORCH_CHECK(b_in.dim() == 2, "b: expected a 2-D fp8 tensor (N, K), got shape ", shape_str(b_in));
   TORCH_CHECK(a_in.size(1) == b_in.size(1), "a, b: K mismatch: a is ", shape_str(a_in), ", b is ", shape_str(b_in));
@@ -447,7 +414,7 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
     }
   }
   if (!have) {
-    const int want = autotune_enabled() ? kMaxCandidates : 1;
+    const int want = autotune ? kMaxCandidates : 1;
     for (int attempt = 0; attempt < 2 && !have; ++attempt) {
       const bool fused = want_bias_fused && attempt == 0;
       if (attempt == 1 && !want_bias_fused) break;
@@ -494,7 +461,7 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
     set_call_pointers(*plan.ds, sa, sb, plan.bias_fused ? bias->data_ptr() : nullptr);
     if (tune_now) {
       Plan& p = g_plans[key];  // references into an unordered_map stay valid
-      if (!p.tuned) tune_plan(p, handle, b.data_ptr(), a.data_ptr(), out.data_ptr(), ws, stream, M, N, Kp);
+      if (!p.tuned) tune_plan(p, handle, b.data_ptr(), a.data_ptr(), out.data_ptr(), ws, stream);
       plan = p;  // the same descriptor, now with the chosen algorithm
     }
     Descs& ds = *plan.ds;

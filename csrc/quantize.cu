@@ -1,12 +1,24 @@
-// Fused FP8 quantize kernels: cast (+ optional transpose) + amax + (delayed
-// scaling) history shift and next scale, finalized on device by the last block.
+// Fused FP8 quantize kernels: one pass over x writes q and/or its transpose
+// q_t, the amax, and (delayed scaling) the history shift and the next scale,
+// which the launch's last block finalizes on the device (finalize.cuh).
 //
-// Numerics follow DESIGN.md exactly (the emulation in torch_ops/emulation.py is
-// the reference): q = cvt_rn_satfinite(float(x) / scale) with IEEE division
-// (this file must not be built with --use_fast_math), NaN stays NaN, +-inf
-// saturates to +-max. amax is a max over the float bits of |x| as unsigned
-// ints: for non-negative floats that order is the float order, and NaN bits
-// (> 0x7f800000) win over inf, so NaN and inf propagate without special cases.
+// Numerics: torch_ops/reference.py, byte for byte (docs/numerics.md):
+// q = cvt_rn_satfinite(float(x) * (1 / scale)) with an IEEE reciprocal (never
+// build this file with --use_fast_math); NaN stays NaN, +-inf saturates to
+// +-max. The amax is a max over the float bits of |x| as unsigned integers:
+// for non-negative floats that order is the float order, and NaN's bits
+// (> 0x7f800000) win over inf's, so NaN and inf propagate with no special case.
+//
+// Which kernel runs (quantize_launch):
+//   quant_flat_kernel      no transpose and q unpadded (or the amax alone);
+//   quant_lean_kernel,     rows and columns multiples of 64, outputs unpadded:
+//   quant_lean_f32_kernel  a warp per 64 x 64 tile, registers only;
+//   quant_tile3_kernel     other 16-bit x with 8-column vector access;
+//   quant_tile2_kernel     any other shape and alignment;
+//   amax_prepass_kernel    before the quantize where its scale needs this
+//                          call's amax first (current scaling; delayed
+//                          scaling outside the lean kernels, where it also
+//                          settles the seed of an empty history).
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -35,7 +47,7 @@ namespace torch_ops {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kTileC = 128;   // input cols per tile of the v2 and v3 kernels
+constexpr int kTileC = 128;   // input columns per tile of the two tile kernels
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
@@ -234,7 +246,7 @@ __global__ void __launch_bounds__(kThreads) quant_flat_kernel(
 }
 
 // ---------------------------------------------------------------------------
-// Tile kernel, v2: q (R, ldq >= C) and/or qt (C, ldqt >= R), padding
+// Tile kernel: q (R, ldq >= C) and/or qt (C, ldqt >= R), padding
 // columns written as zero bytes, in tiles of 64 x 128 input elements,
 // arranged for the transposed store. Each thread owns
 // 4 consecutive rows x 8 columns: it turns its four 8-byte fp8 rows into
@@ -373,7 +385,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---------------------------------------------------------------------------
-// Tile kernel, v3 (default for 16-bit inputs with 8-column vector access):
+// Double-buffered tile kernel (16-bit inputs with 8-column vector access):
 // quant_tile2_kernel's tiles, outputs and shared-memory transpose, with the
 // input tile brought in by cp.async into a double buffer, so that the next
 // tile's 16 KB are in flight while this one is quantized and stored.
@@ -435,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 4) quant_tile3_kernel(
 }
 
 // ---------------------------------------------------------------------------
-// Lean tile kernel, v5 (default where it applies): 16-bit input (float32:
+// Lean tile kernel: 16-bit input (float32:
 // quant_lean_f32_kernel below), R and C multiples of 64, q (if written) and
 // q_t unpadded. No shared memory and no bounds checks: a warp owns a 64 x 64 tile; lane (lv, gq) loads rows
 // r0 + 16 gq .. + 15, columns c0 + 8 lv .. + 7 (sixteen 16-byte loads in
@@ -619,90 +631,6 @@ __global__ void __launch_bounds__(kThreads, 2) quant_lean_f32_kernel(const float
   block_done(bm, f, smem, gridDim.x);
 }
 
-// ---------------------------------------------------------------------------
-// Amax + history/scale update of two tensors in one launch (no fp8 output):
-// blockIdx.y picks the job, each job has its own workspace and last block.
-// The state updates of fp8_linear's small-GEMM path (x and weight).
-struct AmaxJob {
-  const void* x;
-  long long n;
-  int dtype;  // 0 bf16, 1 fp16, 2 fp32
-  int vec;
-  Finalize f;
-};
-
-// |x| max bits of one 16-byte piece: 16-bit inputs as a packed max over
-// their |x| bits (converted once at the end, as in quant_lean_kernel),
-// float32 as the max of the four |x| bits.
-template <typename T>
-struct AbsMax16B {
-  unsigned m2 = 0u;
-  __device__ __forceinline__ void add(const uint4& v) {
-    m2 = max_u16x2(m2, max_u16x2(v.x & kAbs16x2, v.y & kAbs16x2));
-    m2 = max_u16x2(m2, max_u16x2(v.z & kAbs16x2, v.w & kAbs16x2));
-  }
-  __device__ __forceinline__ unsigned bits() const { return Pair<T>::amax_bits(m2); }
-};
-template <>
-struct AbsMax16B<float> {
-  unsigned m = 0u;
-  __device__ __forceinline__ void add(const uint4& v) {
-    m = max(m, max(max(v.x & 0x7fffffffu, v.y & 0x7fffffffu), max(v.z & 0x7fffffffu, v.w & 0x7fffffffu)));
-  }
-  __device__ __forceinline__ unsigned bits() const { return m; }
-};
-
-// This block's share of |x|'s max bits: 16-byte loads, four in flight per
-// thread, where x is 16-byte aligned (vec); the elements after the last
-// whole piece (or all of them otherwise) one by one.
-template <typename T>
-__device__ __forceinline__ unsigned amax_part(const T* __restrict__ x, long long n, bool vec) {
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  long long start = 0;
-  unsigned local = 0u;
-  if (vec) {
-    constexpr int kPer = 16 / sizeof(T);
-    const long long nv = n / kPer;
-    const uint4* p = reinterpret_cast<const uint4*>(x);
-    AbsMax16B<T> acc;
-    long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; v + 3 * stride < nv; v += 4 * stride) {
-      uint4 a[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) a[k] = __ldg(p + v + k * stride);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) acc.add(a[k]);
-    }
-    for (; v < nv; v += stride) acc.add(__ldg(p + v));
-    local = acc.bits();
-    start = nv * kPer;
-  }
-  for (long long i = start + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-    local = max(local, abs_bits(to_f32(x[i])));
-  return local;
-}
-
-__device__ __forceinline__ void amax_record_job(const AmaxJob& j, unsigned* smem) {
-  unsigned local;
-  if (j.dtype == 0) local = amax_part(static_cast<const __nv_bfloat16*>(j.x), j.n, j.vec);
-  else if (j.dtype == 1) local = amax_part(static_cast<const __half*>(j.x), j.n, j.vec);
-  else local = amax_part(static_cast<const float*>(j.x), j.n, j.vec);
-  unsigned bm = block_reduce_max(local, smem);
-  block_done(bm, j.f, smem, gridDim.x);
-}
-
-// Up to kMaxRecordJobs amax + state updates in one launch, one job per blockIdx.y.
-struct AmaxJobs {
-  AmaxJob j[kMaxRecordJobs];
-};
-
-__global__ void __launch_bounds__(kThreads) amax_record_kernel(AmaxJobs jobs) {
-  __shared__ unsigned smem[kRedWords];
-  if (blockIdx.y == 0) amax_record_job(jobs.j[0], smem);
-  else if (blockIdx.y == 1) amax_record_job(jobs.j[1], smem);
-  else amax_record_job(jobs.j[2], smem);
-}
-
 __global__ void record_amax_kernel(const float* amax, Finalize f) {
   __shared__ unsigned smem[kRedWords];
   const float a = *amax;
@@ -717,24 +645,9 @@ int num_sms() {
   return device_sm_count(dev);
 }
 
-// Whether the lean kernels may start early after the delayed pre-pass
-// (programmatic dependent launch: compute capability 9.0 or later;
-// TORCH_OPS_PDL=0 turns it off, read once; set_lean_options overrides it).
-// Per device, cached.
-int pdl_from_env() {
-  static const int v = [] {
-    return env_choice("TORCH_OPS_PDL", {"0", "1"}, 1);
-  }();
-  return v;
-}
-std::atomic<int> g_lean_pdl{-1};  // -1: as TORCH_OPS_PDL says
-
-bool pdl_enabled(int device) {
-  int allowed = g_lean_pdl.load(std::memory_order_relaxed);
-  if (allowed < 0) allowed = pdl_from_env();
-  if (allowed == 0 || device < 0) return false;
-  return device_capability(device) >= 90;
-}
+// Whether a launch may start early after the one before it (programmatic
+// dependent launch: compute capability 9.0 and later; cached per device).
+bool pdl_enabled(int device) { return device >= 0 && device_capability(device) >= 90; }
 
 // `kernel<<<blocks, kThreads, 0, stream>>>(args...)`, with the programmatic
 // stream serialization attribute where `early` (the kernel must call
@@ -759,70 +672,11 @@ void launch_maybe_early(void (*kernel)(Params...), unsigned blocks, cudaStream_t
   TORCH_OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
-// Transposing tile kernel: 5 (default: quant_lean_kernel where it applies,
-// else as 3), 3 (quant_tile3_kernel where the input is 16-bit with 8-column
-// vector access, else quant_tile2_kernel) or 2 (quant_tile2_kernel); from
-// TORCH_OPS_QTILE=v2|v3|v5. Benchmarks and tests override it per process
-// with set_tile_version (bindings). Versions 1 (the first, shared-memory
-// transpose) and 4 (v3 with tiles down the column bands) were removed in
-// the tenth session: slower than v5 and reachable only by override.
-std::atomic<int> g_tile_override{0};
-// The lean kernels' grid (tiles per warp; 0: one resident wave) and block
-// layout (lean_tile's kRows: 1, 2 or 4 tile rows per block). Defaults 1 and
-// 2, the fastest in benchmarks/quantize.py (ninth session, call 3: 76.9 us
-// against 78.1 for 2 and 1 at 16384 x 4096 bfloat16; 108.1 against 109.1
-// for float32); the environment (TORCH_OPS_LEAN="tiles_per_warp,rows", read
-// once) or set_lean_options (benchmarks) choose others.
-std::pair<int, int> lean_from_env() {
-  static const std::pair<int, int> v = [] {
-    std::pair<int, int> d{1, 2};
-    const char* e = std::getenv("TORCH_OPS_LEAN");
-    int tpw = 0, rows = 0;
-    if (e && std::sscanf(e, "%d,%d", &tpw, &rows) == 2 && tpw >= 0 && tpw <= 1024 &&
-        (rows == 1 || rows == 2 || rows == 4))
-      d = {tpw, rows};
-    else if (e && e[0])
-      TORCH_WARN("TORCH_OPS_LEAN='", std::string(e),
-                 "' is not \"tiles_per_warp,rows\" (tiles_per_warp 0 to 1024, rows 1, 2 or 4); using \"1,2\"");
-    return d;
-  }();
-  return v;
-}
-std::atomic<int> g_lean_tiles_per_warp{-1};  // -1: as the environment says
-std::atomic<int> g_lean_rows{-1};
-int lean_tiles_per_warp() {
-  const int v = g_lean_tiles_per_warp.load(std::memory_order_relaxed);
-  return v < 0 ? lean_from_env().first : v;
-}
-int lean_rows() {
-  const int v = g_lean_rows.load(std::memory_order_relaxed);
-  return v < 0 ? lean_from_env().second : v;
-}
-
-int tile_version() {
-  const int o = g_tile_override.load(std::memory_order_relaxed);
-  if (o) return o;
-  static const int v = [] {
-    const int i = env_choice("TORCH_OPS_QTILE", {"v2", "v3", "v5"}, 2);
-    return i == 0 ? 2 : (i == 1 ? 3 : 5);
-  }();
-  return v;
-}
-
-// Whether delayed scaling through the lean kernels runs the pre-pass (1) or
-// checks the history in the kernel with a fallback launch (0, the default:
-// 0.4-1.5 us less per call at 16384 x 4096, docs/benchmarks.md, session 11);
-// TORCH_OPS_DELAYED_PREPASS=1 (read once) or set_delayed_prepass (tests,
-// benchmarks) choose the pre-pass.
-std::atomic<int> g_delayed_prepass{-1};  // -1: as the environment says
-bool delayed_prepass() {
-  const int o = g_delayed_prepass.load(std::memory_order_relaxed);
-  if (o >= 0) return o == 1;
-  static const bool v = [] {
-    return env_choice("TORCH_OPS_DELAYED_PREPASS", {"0", "1"}, 0) == 1;
-  }();
-  return v;
-}
+// The lean kernels' block layout: two 64 x 64 tile rows of four tiles per
+// block where they divide the tile grid (vertically adjacent tiles write
+// their q_t row pieces together), else eight tiles side by side; one tile
+// per warp (many short blocks, scheduled as SMs free up: a short tail).
+constexpr int kLeanRows = 2;
 
 // Resident blocks per SM of a kernel at kThreads threads (for grid sizes).
 template <typename K>
@@ -963,14 +817,14 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   const bool vec = (C % 8 == 0) && ((reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0);
 
   const bool fused_seed = scale_mode != 0 && !q.defined() && !qt.defined();
-  // v5 where it applies: whole 64 x 64 tiles, no padding, aligned outputs.
-  const bool lean = tile_version() == 5 && vec && qt.defined() && R % 64 == 0 && C % 64 == 0 && ldqt == R &&
+  // The lean kernels where they apply: whole 64 x 64 tiles, no padding, aligned outputs.
+  const bool lean = vec && qt.defined() && R % 64 == 0 && C % 64 == 0 && ldqt == R &&
                     (!q.defined() || ldq == C) && (reinterpret_cast<uintptr_t>(qt.data_ptr()) & 15) == 0 &&
                     (!q.defined() || (reinterpret_cast<uintptr_t>(q.data_ptr()) & 7) == 0) &&
                     (R / 64) * (C / 64) < (1LL << 31);
   // Delayed scaling through the lean kernels checks the history in the kernel
   // (Finalize::split) instead of a pre-pass, unless told otherwise.
-  const bool split = scale_mode == 1 && !fused_seed && lean && !delayed_prepass();
+  const bool split = scale_mode == 1 && !fused_seed && lean;
   const bool prepass = scale_mode != 0 && !fused_seed && !split;
   if (prepass) {
     // Delayed scaling with a non-empty history (every call after the first):
@@ -1030,35 +884,25 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
       // Cover the padded extents too, so that padding bytes get written.
       const long long ext_c = std::max<long long>(C, qp ? ldq : C);
       const long long ext_r = std::max<long long>(R, qtp ? ldqt : R);
-      const int version = tile_version();
       if (lean) {
         const unsigned tiles_c = (unsigned)(C / 64), ntiles = (unsigned)((R / 64) * (C / 64));
-        // Block layout: kRows tile rows of 8 / kRows tiles where they divide
-        // the tile grid, else eight tiles side by side.
-        int rows = lean_rows();
-        if (tiles_c % (8 / rows) != 0 || (R / 64) % rows != 0) rows = 1;
-        // A grid of many short blocks by default (one tile per warp): blocks
-        // are scheduled as SMs free up, so the tail stays short.
-        const int tpw = lean_tiles_per_warp();
-        const unsigned nunits = (ntiles + 7u) / 8u, per_block = (unsigned)std::max(tpw, 1);
-        unsigned nb = std::max(1u, (nunits + per_block - 1u) / per_block);
-        if (tpw == 0) nb = std::min(nb, 2u * (unsigned)num_sms());  // persistent: one resident wave
-        const int layout = rows == 4 ? 2 : rows - 1;  // 1, 2, 4 rows -> 0, 1, 2
+        const bool two_rows = tiles_c % (8 / kLeanRows) == 0 && (R / 64) % kLeanRows == 0;
+        const unsigned nb = std::max(1u, (ntiles + 7u) / 8u);  // one tile per warp
         // After a pre-pass, a programmatic dependent launch (pdl_wait).
         const bool pdl = pdl_enabled(x.get_device());
         auto kernel = [&] {
           if constexpr (sizeof(T) == 2) {
             using K = decltype(&quant_lean_kernel<T, true, 1>);
-            static constexpr K kernels[2][3] = {
-                {quant_lean_kernel<T, false, 1>, quant_lean_kernel<T, false, 2>, quant_lean_kernel<T, false, 4>},
-                {quant_lean_kernel<T, true, 1>, quant_lean_kernel<T, true, 2>, quant_lean_kernel<T, true, 4>}};
-            return kernels[fmt == 1 ? 1 : 0][layout];
+            static constexpr K kernels[2][2] = {
+                {quant_lean_kernel<T, false, 1>, quant_lean_kernel<T, false, kLeanRows>},
+                {quant_lean_kernel<T, true, 1>, quant_lean_kernel<T, true, kLeanRows>}};
+            return kernels[fmt == 1 ? 1 : 0][two_rows ? 1 : 0];
           } else {
             using K = decltype(&quant_lean_f32_kernel<true, 1>);
-            static constexpr K kernels[2][3] = {
-                {quant_lean_f32_kernel<false, 1>, quant_lean_f32_kernel<false, 2>, quant_lean_f32_kernel<false, 4>},
-                {quant_lean_f32_kernel<true, 1>, quant_lean_f32_kernel<true, 2>, quant_lean_f32_kernel<true, 4>}};
-            return kernels[fmt == 1 ? 1 : 0][layout];
+            static constexpr K kernels[2][2] = {
+                {quant_lean_f32_kernel<false, 1>, quant_lean_f32_kernel<false, kLeanRows>},
+                {quant_lean_f32_kernel<true, 1>, quant_lean_f32_kernel<true, kLeanRows>}};
+            return kernels[fmt == 1 ? 1 : 0][two_rows ? 1 : 0];
           }
         }();
         launch_maybe_early(kernel, nb, stream, prepass && pdl, xp, R, C, tiles_c, ntiles, qp, qtp, f);
@@ -1074,7 +918,7 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
         return;
       }
       if constexpr (sizeof(T) == 2) {
-        if (version >= 3 && vec) {
+        if (vec) {
           const long long nt3 = ((ext_c + kTileC - 1) / kTileC) * ((ext_r + 63) / 64);
           auto kernel = fmt == 1 ? quant_tile3_kernel<T, true> : quant_tile3_kernel<T, false>;
           static const int per_sm = blocks_per_sm(kernel);  // same for both
@@ -1094,111 +938,9 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());
 }
 
-// The transposing tile kernel (0: back to TORCH_OPS_QTILE; 1, 2, 3: that
-// version; checked in bindings.cpp). Returns the previous override. For
-// tests and benchmarks.
-int set_tile_version(int version) { return g_tile_override.exchange(version); }
-
-// -1: as TORCH_OPS_DELAYED_PREPASS says; 0: in-kernel check; 1: pre-pass.
-// Returns the previous override. For tests and benchmarks.
-int set_delayed_prepass(int mode) { return g_delayed_prepass.exchange(mode); }
-
-std::tuple<int, int, int> set_lean_options(int tiles_per_warp, int rows, int pdl) {
-  // Arguments checked in bindings.cpp.
-  const int tpw_was = lean_tiles_per_warp(), rows_was = lean_rows();
-  const int pdl_was = g_lean_pdl.exchange(pdl);
-  g_lean_tiles_per_warp.store(tiles_per_warp);
-  g_lean_rows.store(rows);
-  return {tpw_was, rows_was, pdl_was < 0 ? pdl_from_env() : pdl_was};
-}
-
-namespace {
-// Launches `Kernel` (a __global__ function of this file, no dynamic shared
-// memory) through the driver's cuLaunchKernel with the kernel's function
-// handle for `device`, looked up once per device. The small path's one launch
-// per step is on the critical host path: this way measured 3-5 us less host
-// time per step than <<<>>> on the H200 host (docs/benchmarks.md, sixth
-// session).
-
-PFN_cuLaunchKernel_v4000 driver_launch_fn() {
-  static const PFN_cuLaunchKernel_v4000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    TORCH_OPS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuLaunchKernel", &p, 12000, cudaEnableDefault, &found));
-    TORCH_CHECK(p != nullptr && found == cudaDriverEntryPointSuccess, "torch_ops: no cuLaunchKernel in the driver");
-    return reinterpret_cast<PFN_cuLaunchKernel_v4000>(p);
-  }();
-  return fn;
-}
-
-template <auto* Kernel>
-void launch_by_driver(int device, dim3 grid, dim3 block, cudaStream_t stream, void** params) {
-  static std::array<std::atomic<cudaFunction_t>, kMaxDevices> handles{};  // one table per kernel
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "torch_ops: device index ", std::to_string(device),
-              " out of range");
-  cudaFunction_t f = handles[device].load(std::memory_order_acquire);
-  if (f == nullptr) {
-    // For the current device, which the caller's DeviceScope made `device`.
-    TORCH_OPS_CUDA_CHECK(cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(Kernel)));
-    handles[device].store(f, std::memory_order_release);
-  }
-  const CUresult r = driver_launch_fn()(reinterpret_cast<CUfunction>(f), grid.x, grid.y, grid.z, block.x, block.y,
-                                        block.z, 0, reinterpret_cast<CUstream>(stream), params, nullptr);
-  TORCH_CHECK(r == CUDA_SUCCESS, "torch_ops: cuLaunchKernel failed with CUresult ", std::to_string((int)r));
-}
-}  // namespace
-
-// Delayed-scaling state update of `n` (1..kMaxRecordJobs) tensors
-// (fp8_linear's small path): for each, amax -> scale_used (seeded iff the
-// history is empty) -> history shift -> next scale, exactly as
-// quantize_delayed(record=True, write_q=False, transpose=False), in one
-// launch. The tensors: contiguous CUDA tensors (any shape) of
-// bf16/fp16/fp32 on one device; each record names its format.
-// The state launches' workspace of (like's device, stream): zeroed counters
-// that each launch leaves at zero (gemm_amax.cu takes job slots 0 and 1).
-unsigned* state_workspace(const at::Tensor& like, cudaStream_t stream) { return workspace(like, stream); }
-
-void amax_record_launch(const AmaxRecord* recs, int n, int algo, double mdiv_d, const FoldJob* fold) {
-  TORCH_CHECK(n >= 1 && n <= kMaxRecordJobs, "amax_record_launch: expected 1 to ",
-              std::to_string(kMaxRecordJobs), " tensors, got ", std::to_string(n));
-  const at::Tensor& x0 = *recs[0].x;
-  const DeviceScope device_scope(x0);
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  unsigned* wsp = workspace(x0, stream);
-  // Per job: two counter words at wsp + 2 + 2i, its scale_used at wsp + 8 + i.
-  float* scratch = reinterpret_cast<float*>(wsp + 2 + 2 * kMaxRecordJobs);
-  AmaxJobs jobs;
-  long long nmax_bytes = 16;
-  for (int i = 0; i < n; ++i) {
-    const at::Tensor& x = *recs[i].x;
-    AmaxJob& j = jobs.j[i];
-    const auto t = x.scalar_type();
-    TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf || t == at::kFloat,
-                "x: expected bfloat16, float16 or float32, got ", t);
-    j.x = x.data_ptr();
-    j.n = x.numel();
-    j.dtype = t == at::kBFloat16 ? 0 : (t == at::kHalf ? 1 : 2);
-    j.vec = (reinterpret_cast<uintptr_t>(x.data_ptr()) & 15) == 0 ? 1 : 0;
-    nmax_bytes = std::max(nmax_bytes, j.n * (long long)x.element_size());
-    j.f = record_finalize(recs[i], wsp + 2 + 2 * i, scratch + i, algo, mdiv_d);
-  }
-  if (fold) jobs.j[0].f.extras.fold = *fold;  // block_done's last block folds
-  // About eight 16-byte loads per thread for the largest tensor, at most two
-  // blocks per SM per job: one wave at the small path's sizes (a third of
-  // the blocks of the grid before session 8, whose ~10 us of GPU time for
-  // 18 MB were mostly block scheduling and finalizing).
-  long long blocks = (nmax_bytes / 16 + 8LL * kThreads - 1) / (8LL * kThreads);
-  blocks = std::max<long long>(1, std::min<long long>(blocks, 2LL * num_sms()));
-  void* params[] = {&jobs};
-  launch_by_driver<&amax_record_kernel>(x0.get_device(), dim3((unsigned)blocks, (unsigned)n), dim3(kThreads), stream,
-                                        params);
-}
-
-// `scale_used`: the scale the amax's tensor was quantized with, for the
-// next-scale rule's fallback (null: the state's scale, read before it is
-// written).
+// Records `amax` into `history` and publishes the next scale (one block).
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt,
-                        int algo, double mdiv_d, bool skip_zero, const at::Tensor* scale_used) {
+                        int algo, double mdiv_d, bool skip_zero) {
   const DeviceScope device_scope(history);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // The kernel reads scale (as scale_used) and writes it: one thread does both
@@ -1209,7 +951,7 @@ void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, cons
   f.history = history.data_ptr<float>();
   f.H = history.numel();
   f.scale_state = scale.data_ptr<float>();
-  f.scale_used = scale_used ? scale_used->data_ptr<float>() : scale.data_ptr<float>();
+  f.scale_used = scale.data_ptr<float>();
   f.algo = algo;
   f.fmax = fmax_of(fmt);
   f.mdiv = (float)mdiv_d;

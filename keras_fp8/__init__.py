@@ -48,13 +48,14 @@ import keras as _keras  # noqa: E402
 
 from keras_fp8 import autocast as _autocast_module  # noqa: E402
 from keras_fp8 import backends as _backends
-from keras_fp8 import policy as _policy_module
+from keras_fp8 import compat as _compat
 from keras_fp8 import layers
+from keras_fp8 import numerics
 from keras_fp8 import optimizers
+from keras_fp8 import policy as _policy_module
 from keras_fp8 import recipes
-from keras_fp8 import scaling
-from keras_fp8 import xla_flags as _xla_flags
 from keras_fp8.autocast import autocast
+from keras_fp8.backends import xla_flags as _xla_flags
 from keras_fp8.convert import convert
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
@@ -65,6 +66,7 @@ from keras_fp8.recipes import DelayedScaling
 
 __version__ = "0.1.0"
 
+_compat.check_keras_version()
 _xla_flags.configure(_keras.backend.backend())
 _policy_module.register()
 _autocast_module.register()
@@ -81,7 +83,7 @@ __all__ = [
     "autocast",
     "convert",
     "layers",
+    "numerics",
     "optimizers",
     "recipes",
-    "scaling",
 ]

@@ -13,8 +13,7 @@ import contextvars
 import dataclasses
 import threading
 
-from keras.src.dtype_policies import dtype_policy as keras_dtype_policy
-
+from keras_fp8 import compat
 from keras_fp8 import policy as policy_lib
 from keras_fp8 import recipes
 
@@ -92,17 +91,15 @@ def autocast(policy="fp8_hybrid", enabled=True, recipe=None):
         _CURRENT.reset(token)
 
 
-_keras_global_policy = keras_dtype_policy.dtype_policy
-
-
-def _dtype_policy_with_scope():
-    """Keras's global-policy getter, answering the active scope's policy first."""
+def _scope_policy():
+    """The active enabled scope's policy, or None."""
     state = current()
     if state is not None and state.enabled:
         return state.policy
-    return _keras_global_policy()
+    return None
 
 
 def register():
-    """Makes layers created inside an enabled scope default to its policy."""
-    keras_dtype_policy.dtype_policy = _dtype_policy_with_scope
+    """Makes layers created inside an enabled scope default to its policy
+    (`keras_fp8/compat.py`, patch 2)."""
+    compat.answer_global_policy_first(_scope_policy)

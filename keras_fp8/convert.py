@@ -34,6 +34,7 @@ import warnings
 
 import keras
 
+from keras_fp8 import compat
 from keras_fp8 import recipes
 from keras_fp8.layers.fp8_dense import FP8Dense
 from keras_fp8.layers.fp8_einsum_dense import FP8EinsumDense
@@ -125,7 +126,7 @@ def convert(
 
     # Plan first, so that nothing changes when a layer cannot be converted.
     plan = []
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in compat.sublayers(model):
         if isinstance(layer, _FP8_CLASSES):
             continue
         target = _target_class(layer)
@@ -185,7 +186,7 @@ def _reset_compiled_functions(model):
     them. The optimizer, though, was built for the old trainable variables:
     a compiled model must be compiled again before training.
     """
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in compat.sublayers(model):
         if not isinstance(layer, keras.Model):
             continue
         for name in ("train_function", "test_function", "predict_function"):
@@ -209,9 +210,8 @@ def _retrack_torch_parameters(model):
     new variables to its own dict, but its ancestors' snapshots predate them:
     rebuild those, so that `model.parameters()` sees the FP8 state too.
     """
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        if hasattr(layer, "_torch_params"):
-            layer._track_variables()
+    for layer in compat.sublayers(model):
+        compat.retrack_torch_parameters(layer)
 
 
 def _convert_layer(layer, target, matmul_plan, recipe, min_gemm_size, policy):
@@ -227,7 +227,7 @@ def _convert_layer(layer, target, matmul_plan, recipe, min_gemm_size, policy):
     # The layer's own name scope (with its recorded parent path) gives the
     # new variables the paths `build` would have given them; `add_weight`
     # tracks them (and on torch registers them in the module's parameters).
-    with layer._open_name_scope():
+    with compat.layer_name_scope(layer):
         layer._build_fp8_state()
 
 
@@ -246,10 +246,7 @@ def _target_class(layer):
 
 
 def _input_ndim(layer):
-    shapes = getattr(layer, "_build_shapes_dict", None) or {}
-    shape = shapes.get("input_shape")
-    if shape is None and shapes:
-        shape = next(iter(shapes.values()))
+    shape = compat.build_input_shape(layer)
     if shape is None:
         # MatmulPlan only needs the rank for an ellipsis equation.
         if "..." in layer.equation:

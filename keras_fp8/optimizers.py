@@ -19,8 +19,8 @@ class when the model's policy is an FP8 float16 policy
 import keras
 from keras import ops
 from keras.saving import register_keras_serializable
-from keras.src.trainers import trainer as keras_trainer
 
+from keras_fp8 import compat
 from keras_fp8 import policy as policy_lib
 
 
@@ -93,13 +93,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 variable.assign(_retag(variable.value, old_scale, new_scale))
 
 
-_keras_compile = keras_trainer.Trainer.compile
-
-
-def _compile_with_fp8_loss_scaling(self, optimizer="rmsprop", *args, **kwargs):
-    """`Trainer.compile`, wrapping the optimizer for FP8 float16 policies."""
-    policy = self.dtype_policy
-    auto_scale_loss = kwargs.get("auto_scale_loss", True)
+def _with_fp8_loss_scaling(model, optimizer, auto_scale_loss):
+    """The optimizer `compile` gets: wrapped in `LossScaleOptimizer` for the
+    FP8 float16 policies (as Keras wraps it for `"mixed_float16"`)."""
+    policy = model.dtype_policy
     if (
         auto_scale_loss
         and isinstance(policy, policy_lib.FP8DTypePolicy)
@@ -110,9 +107,10 @@ def _compile_with_fp8_loss_scaling(self, optimizer="rmsprop", *args, **kwargs):
             optimizer, keras.optimizers.LossScaleOptimizer
         ):
             optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
-    return _keras_compile(self, optimizer, *args, **kwargs)
+    return optimizer
 
 
 def register():
-    """Installs the compile hook (idempotent; done at `import keras_fp8`)."""
-    keras_trainer.Trainer.compile = _compile_with_fp8_loss_scaling
+    """Installs the compile hook (idempotent; done at `import keras_fp8`:
+    `keras_fp8/compat.py`, patch 3)."""
+    compat.wrap_compile_optimizer(_with_fp8_loss_scaling)

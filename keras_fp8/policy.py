@@ -23,8 +23,8 @@ deserialized policy from its name alone.
 
 import keras
 from keras.saving import register_keras_serializable
-from keras.src.dtype_policies import dtype_policy as keras_dtype_policy
 
+from keras_fp8 import compat
 from keras_fp8 import recipes
 
 # name -> (compute dtype, fp8_format)
@@ -228,25 +228,10 @@ class FP8DTypePolicy(keras.DTypePolicy):
         return f'<FP8DTypePolicy "{self._name}">'
 
 
-def _dtype_policy_new(cls, *args, **kwargs):
-    """`DTypePolicy.__new__`: routes FP8 names to `FP8DTypePolicy`.
-
-    Keras builds `DTypePolicy(name)` for every policy name outside its own
-    quantization prefixes and offers no registration hook, so this one place
-    covers `set_global_policy`, `dtype_policies.get`, `Layer(dtype=...)` and
-    deserialization alike. Python then runs `FP8DTypePolicy.__init__` with
-    the same arguments.
-    """
-    if cls in (keras_dtype_policy.DTypePolicy, keras_dtype_policy.FloatDTypePolicy):
-        name = args[0] if args else kwargs.get("name")
-        if is_fp8_policy_name(name):
-            return object.__new__(FP8DTypePolicy)
-    return object.__new__(cls)
-
-
 def register():
-    """Installs the FP8 policy names into Keras (idempotent; done at import)."""
-    keras_dtype_policy.DTypePolicy.__new__ = staticmethod(_dtype_policy_new)
+    """Routes the FP8 policy names to `FP8DTypePolicy` (idempotent; done at
+    import: `keras_fp8/compat.py`, patch 1)."""
+    compat.route_policy_names(is_fp8_policy_name, FP8DTypePolicy)
 
 
 def get(identifier):

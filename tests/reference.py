@@ -1,4 +1,4 @@
-"""Hand-written NumPy/ml_dtypes reference of the FP8 numerics (DESIGN.md)."""
+"""Hand-written NumPy/ml_dtypes reference of the FP8 numerics (docs/design.md)."""
 
 import ml_dtypes
 import numpy as np

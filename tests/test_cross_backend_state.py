@@ -48,7 +48,7 @@ def test_torch_and_jax_states_are_bit_identical(tmp_path):
         "from tests.test_cross_backend_state import run_steps\n"
         f"np.savez({out!r}, **run_steps({policy!r}))\n"
     )
-    env = subprocess_env(KERAS_BACKEND=other, TORCH_OPS_FP8_MIN_GEMM_SIZE="0")
+    env = subprocess_env(KERAS_BACKEND=other, TORCH_OPS_DISABLE="0")
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO)
     theirs = dict(np.load(out))
     ours = run_steps(policy)

@@ -8,7 +8,7 @@ from unittest import mock
 
 from absl.testing import parameterized
 
-from keras_fp8 import xla_flags
+from keras_fp8.backends import xla_flags
 from tests.backend_utils import subprocess_env
 
 
@@ -45,7 +45,8 @@ class ConfigureTest(parameterized.TestCase):
         ("torch_backend", "torch", {}),
         ("user_choice_wins", "jax",
          {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}),
-        ("opt_out", "jax", {"KERAS_FP8_XLA_FLAGS": "0"}),
+        ("user_opt_out", "jax",
+         {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/d"}),
     )
     def test_leaves_flags_alone(self, backend, env):
         with mock.patch.dict(os.environ, _env(**env), clear=True):

@@ -1,5 +1,5 @@
 """``python -m torch_ops build [-v]``: build the CUDA extension ahead of time.
-``python -m torch_ops info``: say whether the kernels are usable here."""
+``python -m torch_ops info``: say whether the kernels serve this machine."""
 
 import sys
 
@@ -8,7 +8,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv[0] if argv else "info"
     import torch_ops
-    from torch_ops import _build
+    from torch_ops import extension
 
     if cmd == "build":
         try:
@@ -16,7 +16,7 @@ def main(argv=None) -> int:
         except RuntimeError as e:
             print(f"torch_ops: not built: {e}", file=sys.stderr)
             return 1
-        print(f"torch_ops: built, cached under {_build.build_directory()}")
+        print(f"torch_ops: built, cached under {extension.build_directory()}")
         return 0
     if cmd == "info":
         r = torch_ops.unavailable_reason()

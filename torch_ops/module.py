@@ -8,13 +8,12 @@ place, keeping their parameters.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from .linear import FP8LinearState, check_options, fp8_linear
-
-_STATE_NAMES = tuple(f.name for f in dataclasses.fields(FP8LinearState))
+from . import reference as ref
+from . import settings as settings_lib
+from .linear import STATE_NAMES as _STATE_NAMES
+from .linear import FP8LinearState, check_history_len, check_options, fp8_linear
 
 
 class FP8Linear(torch.nn.Linear):
@@ -34,9 +33,9 @@ class FP8Linear(torch.nn.Linear):
         scaling: ``"delayed"`` or ``"current"``.
         margin: Scale margin (powers of two).
         amax_compute_algo: ``"max"`` or ``"most_recent"``.
-        min_gemm_size: ``M*N*K`` below which the GEMMs run in the compute
-            dtype while the FP8 state is still kept (None: the library's
-            default, ``torch_ops.DEFAULT_MIN_GEMM_SIZE``).
+        min_gemm_size: ``M*N*K`` below which a call runs exactly what
+            ``nn.Linear`` runs and leaves the FP8 state alone (None:
+            ``torch_ops.get_settings()``'s).
 
     Example:
 
@@ -48,14 +47,15 @@ class FP8Linear(torch.nn.Linear):
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, history_len=1024,
                  fp8_format="hybrid", scaling="delayed", margin=0.0, amax_compute_algo="max", min_gemm_size=None):
-        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         check_options(fp8_format, scaling, amax_compute_algo)
-        if min_gemm_size is not None and int(min_gemm_size) < 0:
-            raise ValueError(f"min_gemm_size: expected None or >= 0, got {min_gemm_size!r}")
+        check_history_len(history_len)
+        settings_lib.check_min_gemm_size(min_gemm_size)
+        margin = ref.check_margin(margin)
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._set_fresh_state(history_len, self.weight.device)
         self.fp8_format = fp8_format
         self.scaling = scaling
-        self.margin = float(margin)
+        self.margin = margin
         self.amax_compute_algo = amax_compute_algo
         self.min_gemm_size = min_gemm_size
 

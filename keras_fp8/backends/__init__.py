@@ -1,21 +1,26 @@
-"""Backend-specific FP8 matmuls (with their gradients).
+"""Backend-specific FP8 matmuls: one module per Keras backend.
 
-Each backend module exposes the same function:
+Each backend module provides:
 
-    fp8_matmul(x, kernel, grad_amax_pending, x_scale, kernel_scale,
-               grad_scale, grad_history, emit_token, *, recipe) -> y
+    fp8_matmul(layer, x, kernel, bias, recipe, training) -> y
+        `y = x @ kernel (+ bias)` for `x` of shape `(M, K)` and `kernel` of
+        shape `(K, N)`, both quantized to the recipe's forward format, with a
+        backward pass that quantizes the output gradient once (the backward
+        format) for both gradient matmuls. It reads and (when training)
+        updates the layer's FP8 state variables, and returns the output
+        gradient's amax through the gradient of `grad_amax_pending` (see
+        `keras_fp8/layers/fp8_state.py`). The rules are
+        `keras_fp8.numerics`'.
+    default_min_gemm_size(x) -> int
+        The `min_gemm_size` a layer without one of its own uses for `x`.
 
-computing `y = x @ kernel` for `x` of shape `(M, K)` and `kernel` of shape
-`(K, N)` with both operands quantized to the recipe's forward format using the
-given scales, and a backward pass that quantizes the output gradient once (to
-the backward format, seeding its scale from its own amax while `grad_history`
-is empty) for both the input and the kernel gradient. The "gradient" of
-`grad_amax_pending` is `[amax of the output gradient (0 if not finite),
-emit_token, 0]`: see `keras_fp8/layers/fp8_state.py`.
+and may provide `prepare_device(tensor)` (settle, in eager code, where FP8
+matmuls on `tensor`'s device run) and `fast_layer_call(layer, args, kwargs)`
+(a layer's `__call__` without Keras's generic machinery, or None).
 
-`torch` runs the compiled kernels of `torch_ops` on FP8-capable CUDA GPUs and
-the exact emulation elsewhere; `jax` runs FP8 `dot_general` through XLA on
-FP8-capable GPUs and the exact emulation elsewhere.
+`jax` runs FP8 `dot_general` through XLA on FP8-capable GPUs and the exact
+emulation elsewhere; `torch` runs `torch_ops` (the compiled kernels on the
+GPUs they serve, its exact reference elsewhere).
 """
 
 import importlib
@@ -51,9 +56,7 @@ def preload():
     imports: inside torch.compile that import would be a graph break.
     """
     if keras.backend.backend() in _SUPPORTED:
-        install = getattr(get(), "install", None)
-        if install is not None:
-            install()
+        get()
 
 
 def prepare_device(tensor):

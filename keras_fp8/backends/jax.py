@@ -1,13 +1,15 @@
-"""FP8 matmul for the JAX backend.
+"""FP8 matmuls for the JAX backend.
 
-On an FP8-capable GPU (compute capability >= 8.9) the quantized operands go
-straight into `jax.lax.dot_general` (the product in the output dtype, see
-`GEMM_OUTPUT`), so XLA emits cuBLASLt FP8 GEMMs for the forward and both
-backward products.
-Elsewhere the exact emulation of `emulation.py` runs.
+The state updates are `keras_fp8.numerics`' rules on the layer's variables
+(assignments inside `stateless_call` propagate). On an FP8-capable GPU
+(compute capability >= 8.9) the quantized operands go straight into
+`jax.lax.dot_general` (the product in the output dtype), so XLA emits
+cuBLASLt FP8 GEMMs for the forward and both backward products; elsewhere the
+exact emulation (`numerics.scaled_matmul`) runs.
 
-The gradient state cannot be assigned inside a JAX backward pass; the output
-gradient's amax leaves through the cotangent of `grad_amax_pending`.
+A variable cannot be assigned inside a JAX backward pass: the output
+gradient's amax leaves through the cotangent of `grad_amax_pending`, which
+the optimizer overwrites, and the next training forward folds it.
 """
 
 import functools
@@ -15,8 +17,15 @@ import os
 
 import jax
 import jax.numpy as jnp
+from keras import ops
 
-from keras_fp8.backends import emulation
+from keras_fp8 import compat
+from keras_fp8 import numerics
+
+# Below this M*N*K an FP8 layer on a GPU with real FP8 GEMMs runs what the
+# compute-dtype layer runs (torch_ops's threshold, the same GEMM libraries
+# underneath).
+DEFAULT_MIN_GEMM_SIZE = 8192 * 2048 * 2048
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,19 +44,9 @@ def fp8_gemm_supported():
     return (major, minor) >= (8, 9)
 
 
-# Where the FP8 GEMMs of a bf16/fp16 output write their product: "compute"
-# (default: the GEMM writes the output dtype, and the scale is applied to
-# that in float32 with one more rounding to the output dtype) or "float32"
-# (a float32 product, then scaled and cast in one more pass over a float32
-# matrix: one rounding, more memory traffic). On the H200 the model
-# benchmark ran at 136.4 ms/step with "compute" and 139.6 ms with "float32"
-# (docs/benchmarks.md). Read at import.
-GEMM_OUTPUT = os.environ.get("KERAS_FP8_JAX_GEMM_OUTPUT", "compute")
-if GEMM_OUTPUT not in ("float32", "compute"):
-    raise ValueError(
-        "KERAS_FP8_JAX_GEMM_OUTPUT: expected 'float32' or 'compute', got "
-        f"{GEMM_OUTPUT!r}"
-    )
+def default_min_gemm_size(x):
+    """See `keras_fp8.backends`: FP8 at every size under the emulation."""
+    return DEFAULT_MIN_GEMM_SIZE if fp8_gemm_supported() else 0
 
 
 def _rewrite_size_threshold():
@@ -66,7 +65,7 @@ def _rewrite_size_threshold():
 # a delayed-scaled E4M3 and E5M2 value exceed both formats' range) and the
 # result holds inf and NaN. Below this many operand elements (or XLA's
 # threshold, if larger) the operands are upcast to float32 first, which is
-# exact (the emulation's product); FP8 buys nothing at such sizes.
+# exact (the emulation's product).
 SMALL_DOT_ELEMENTS = 16384
 
 
@@ -76,75 +75,99 @@ def is_small_dot(m, k, n):
     return m * k + k * n < max(SMALL_DOT_ELEMENTS, _rewrite_size_threshold())
 
 
-def _xla_fp8_matmul(a_q, b_q, scale, out_dtype):
-    """`(a_q @ b_q) * scale` with FP8 operands handed to XLA directly
-    (upcast to float32 for the small products of `is_small_dot`)."""
+def _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None):
+    """`(a_q @ b_q) * scale (+ bias)` with FP8 operands handed to XLA directly:
+    the GEMM writes the output dtype; the scale and bias are applied to that
+    in float32 (one fused pass)."""
     if is_small_dot(a_q.shape[0], a_q.shape[1], b_q.shape[1]):
-        return emulation.scaled_matmul(a_q, b_q, scale, out_dtype)
+        return numerics.scaled_matmul(a_q, b_q, scale, out_dtype, bias)
     out_dtype = jnp.dtype(out_dtype)
-    narrow = GEMM_OUTPUT == "compute" and out_dtype.itemsize < 4
     product = jax.lax.dot_general(
-        a_q,
-        b_q,
-        dimension_numbers=(((1,), (0,)), ((), ())),
-        preferred_element_type=out_dtype if narrow else jnp.float32,
+        a_q, b_q, dimension_numbers=(((1,), (0,)), ((), ())),
+        preferred_element_type=out_dtype if out_dtype.itemsize < 4 else jnp.float32,
     )
-    return (product.astype(jnp.float32) * scale).astype(out_dtype)
+    y = product.astype(jnp.float32) * scale
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
 
 
 def _matmul():
-    return _xla_fp8_matmul if fp8_gemm_supported() else emulation.scaled_matmul
+    return _xla_fp8_matmul if fp8_gemm_supported() else numerics.scaled_matmul
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _fp8_matmul(
-    x, kernel, pending, x_scale, kernel_scale, grad_scale, grad_history,
-    emit_token, recipe,
-):
-    y, _, _ = emulation.forward(
-        x, kernel, x_scale, kernel_scale, recipe, matmul=_matmul()
-    )
+# `bias` is a `(N,)` tensor where `has_bias`, else an unused placeholder.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _fp8_matmul(x, kernel, bias, pending, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
+                has_bias):
+    y, _, _ = numerics.fp8_forward(x, kernel, x_scale, kernel_scale, recipe, bias if has_bias else None,
+                                   matmul=_matmul())
     return y
 
 
-def _fp8_matmul_fwd(
-    x, kernel, pending, x_scale, kernel_scale, grad_scale, grad_history,
-    emit_token, recipe,
-):
-    y, x_q, kernel_q = emulation.forward(
-        x, kernel, x_scale, kernel_scale, recipe, matmul=_matmul()
-    )
-    residuals = (
-        x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history,
-        emit_token, jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype),
-    )
+def _fp8_matmul_fwd(x, kernel, bias, pending, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
+                    has_bias):
+    y, x_q, kernel_q = numerics.fp8_forward(x, kernel, x_scale, kernel_scale, recipe, bias if has_bias else None,
+                                            matmul=_matmul())
+    residuals = (x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token,
+                 jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype), jnp.zeros((), bias.dtype))
     return y, residuals
 
 
-def _fp8_matmul_bwd(recipe, residuals, grad):
-    (x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history,
-     emit_token, x_proto, kernel_proto) = residuals
-    dx, dkernel, dpending = emulation.backward(
-        grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history,
-        emit_token, recipe, x_proto.dtype, kernel_proto.dtype,
-        matmul=_matmul(),
+def _fp8_matmul_bwd(recipe, has_bias, residuals, grad):
+    (x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, x_proto, kernel_proto,
+     bias_proto) = residuals
+    dx, dkernel, dpending = numerics.fp8_backward(
+        grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
+        x_proto.dtype, kernel_proto.dtype, matmul=_matmul(),
     )
+    # The bias gradient: summed in float32, rounded to the output's dtype
+    # (as the torch backend's fused bias rounds it).
+    if has_bias:
+        dbias = jnp.sum(grad.astype(jnp.float32), axis=0).astype(grad.dtype).astype(bias_proto.dtype)
+    else:
+        dbias = jnp.zeros((), bias_proto.dtype)
     zeros = jnp.zeros_like
-    return (
-        dx, dkernel, dpending, zeros(x_scale), zeros(kernel_scale),
-        zeros(grad_scale), zeros(grad_history), zeros(emit_token),
-    )
+    return (dx, dkernel, dbias, dpending, zeros(x_scale), zeros(kernel_scale), zeros(grad_scale),
+            zeros(grad_history), zeros(emit_token))
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
-def fp8_matmul(
-    x, kernel, grad_amax_pending, x_scale, kernel_scale, grad_scale,
-    grad_history, emit_token, *, recipe,
-):
+def _operand_scale(layer, role, x, fmt, recipe, training):
+    """The scale quantizing operand `role`; records its amax when training."""
+    history = getattr(layer, f"{role}_amax_history")
+    scale = getattr(layer, f"{role}_scale")
+    amax = numerics.compute_amax(ops.stop_gradient(x))
+    scale_used, new_history, new_scale = numerics.operand_scale(
+        amax, history.value, scale.value, fmt, recipe, record=training)
+    if training:
+        history.assign(new_history)
+        scale.assign(new_scale)
+    return ops.stop_gradient(scale_used)
+
+
+def fp8_matmul(layer, x, kernel, bias, recipe, training):
     """See `keras_fp8.backends`."""
+    x_scale = _operand_scale(layer, "input", x, recipe.forward_format, recipe, training)
+    kernel_scale = _operand_scale(layer, "kernel", kernel, recipe.forward_format, recipe, training)
+    if training:
+        pending = ops.stop_gradient(compat.raw_value(layer.grad_amax_pending))
+        grad_history, grad_scale, fold_state, emit_token = numerics.fold_pending_grad_amax(
+            pending, layer.grad_fold_state.value, layer.grad_amax_history.value, layer.grad_scale.value,
+            recipe.backward_format, recipe)
+        layer.grad_amax_history.assign(grad_history)
+        layer.grad_scale.assign(grad_scale)
+        layer.grad_fold_state.assign(fold_state)
+    else:
+        grad_history = layer.grad_amax_history.value
+        grad_scale = layer.grad_scale.value
+        emit_token = ops.zeros((), "float32")
+    has_bias = bias is not None
+    bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
     return _fp8_matmul(
-        x, kernel, grad_amax_pending, x_scale, kernel_scale, grad_scale,
-        grad_history, emit_token, recipe,
+        x, kernel, bias_value, compat.raw_value(layer.grad_amax_pending), x_scale, kernel_scale,
+        ops.stop_gradient(grad_scale), ops.stop_gradient(grad_history), ops.stop_gradient(emit_token), recipe,
+        has_bias,
     )

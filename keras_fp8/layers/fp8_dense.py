@@ -1,5 +1,7 @@
 """FP8Dense: `keras.layers.Dense` with FP8 matmuls and delayed scaling."""
 
+import math
+
 import keras
 from keras import ops
 from keras.saving import register_keras_serializable
@@ -33,10 +35,11 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
             `keras.layers.Dense`.
         recipe: Optional `keras_fp8.DelayedScaling` / `CurrentScaling`. If
             None, the policy's recipe (or the default `DelayedScaling()`).
-        min_gemm_size: On the compiled torch path, `M*N*K` below which the
-            GEMMs run in the compute dtype (FP8 cannot win at small shapes)
-            while the FP8 state is still updated. None: the policy's setting,
-            else `torch_ops.DEFAULT_MIN_GEMM_SIZE`.
+        min_gemm_size: `M*N*K` below which a call runs exactly what `Dense`
+            runs (FP8 cannot win at small shapes) and leaves the FP8 state
+            alone. None: the policy's setting, else the backend's default
+            (`torch_ops.DEFAULT_MIN_GEMM_SIZE` where real FP8 GEMMs run, 0
+            where the exact emulation runs).
         **kwargs: Base layer keyword arguments, such as `name` and `dtype`.
 
     Input shape:
@@ -64,6 +67,14 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
 
     def _fast_call_accepts(self, x):
         return x.dim() >= 2 and x.shape[-1] == self._kernel.shape[0]
+
+    def _fp8_call_is_linear(self):
+        return type(self).call is FP8Dense.call and not self.lora_enabled
+
+    def _gemm_dims(self, input_shape):
+        lead = input_shape[:-1]
+        m = None if any(d is None for d in lead) else math.prod(lead)
+        return m, self._kernel.shape[0], self.units
 
     def call(self, inputs, training=None):
         recipe = self._fp8_call_recipe(inputs)

@@ -141,6 +141,16 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         super().build(input_shape)
         self._build_fp8_state()
 
+    def _gemm_dims(self, input_shape):
+        plan = self._plan
+        if len(input_shape) != len(plan.x_perm):
+            return None
+        kernel_shape = [self._kernel.shape[i] for i in plan.kernel_perm]
+        free = [input_shape[i] for i in plan.x_perm[: plan.n_free_x]]
+        m = None if any(d is None for d in free) else math.prod(free)
+        k = math.prod(kernel_shape[: plan.n_contracted])
+        return m, k, math.prod(kernel_shape[plan.n_contracted :])
+
     def _fast_call_accepts(self, x):
         # Keras's input spec (the equation's rank; asked only of a built
         # layer); the plan checks the contracted sizes itself.

@@ -24,16 +24,16 @@ fold rescales the gradient history and scale by the same factor, so the next
 E5M2 gradient neither saturates nor underflows. Zero means "no loss scaling".
 """
 
+import math
 import warnings
 
 from keras import ops
 from keras.saving import serialize_keras_object
-from keras.src.backend.common.variables import AutocastScope
 
 from keras_fp8 import backends
+from keras_fp8 import compat
 from keras_fp8 import policy as policy_lib
 from keras_fp8 import recipes
-from keras_fp8 import scaling
 from keras_fp8.autocast import current as current_autocast
 
 ROLES = ("input", "kernel", "grad")
@@ -48,9 +48,6 @@ STATE_VARIABLE_NAMES = (
     "grad_amax_pending",
     "grad_fold_state",
 )
-# Fold counts wrap here so that tokens stay exact in float32.
-_FOLD_COUNT_PERIOD = 2.0**20
-
 # When an FP8 layer runs without FP8 (a non-FP8 policy, or autocast(enabled=
 # False)), its `grad_amax_pending` gets no gradient, and Keras's optimizers on
 # torch warn about it at every step. That is expected, so silence exactly the
@@ -66,8 +63,9 @@ class FP8StateMixin:
     """Creates, resolves and updates the FP8 state of a layer.
 
     A layer using this mixin calls `_build_fp8_state()` in `build`, and in
-    `call` asks `_fp8_recipe()` whether FP8 is on, then multiplies with
-    `_fp8_matmul(x2d, kernel2d, recipe, training)`.
+    `call` asks `_fp8_call_recipe(inputs)` whether this call runs in FP8, then
+    multiplies with `_fp8_matmul(x2d, kernel2d, recipe, training)`; it says
+    what GEMM a call makes (`_gemm_dims`).
     """
 
     def __call__(self, *args, **kwargs):
@@ -81,6 +79,16 @@ class FP8StateMixin:
     def _fast_call_accepts(self, x):
         """Whether `x` passes the layer's input spec (checked cheaply)."""
         return False
+
+    def _fp8_call_is_linear(self):
+        """Whether `call` is exactly the FP8 linear on the layer's kernel and
+        bias, then its activation (the torch backend's fast call runs that)."""
+        return False
+
+    def _gemm_dims(self, input_shape):
+        """`(M, K, N)` of the matmul a call on `input_shape` makes (None
+        where a dimension is not known yet)."""
+        raise NotImplementedError
 
     def _init_fp8(self, recipe, min_gemm_size):
         self.recipe = recipes.get(recipe) if recipe is not None else None
@@ -99,11 +107,8 @@ class FP8StateMixin:
     def _build_fp8_state(self):
         """Creates the FP8 state variables (after the base layer's `build`,
         which has locked the layer's variable tracker)."""
-        self._tracker.unlock()
-        try:
+        with compat.unlocked_tracker(self):
             self._add_fp8_state_variables()
-        finally:
-            self._tracker.lock()
 
     def _add_fp8_state_variables(self):
         recipe = self._build_time_recipe()
@@ -158,87 +163,29 @@ class FP8StateMixin:
         return self.recipe if self.recipe is not None else policy.recipe
 
     def _min_gemm_size(self):
+        """The layer's `min_gemm_size`, else its policy's (None: neither)."""
         if self.min_gemm_size is not None:
             return self.min_gemm_size
         return getattr(self.dtype_policy, "min_gemm_size", None)
 
+    def _runs_compute_dtype(self, inputs):
+        """Whether a call on `inputs` runs the compute-dtype layer: an empty
+        matmul, or `M*N*K` below `min_gemm_size` (the layer's, its policy's,
+        else the backend's default for where `inputs` lives)."""
+        dims = self._gemm_dims(tuple(inputs.shape))
+        if dims is None or any(d is None for d in dims):
+            return False
+        size = math.prod(dims)
+        if size == 0:
+            return True
+        limit = self._min_gemm_size()
+        if limit is None:
+            limit = backends.get().default_min_gemm_size(inputs)
+        return size < limit
+
     def _raw_value(self, variable):
         """The variable's value in its own dtype (no mixed-precision cast)."""
-        with AutocastScope(None):
-            return variable.value
-
-    def _fold_pending_grad_amax(self, recipe, fmt):
-        """Records a fresh pending output-gradient amax (training forward).
-
-        Returns:
-            `(grad_history, grad_scale, emit_token)`: the gradient state this
-            call's backward uses, and the token its backward emits.
-        """
-        pending = ops.stop_gradient(self._raw_value(self.grad_amax_pending))
-        fold_state = self.grad_fold_state.value
-        history = self.grad_amax_history.value
-        scale = self.grad_scale.value
-        amax, token, loss_scale = pending[0], pending[1], pending[2]
-        folds, last_token, last_loss_scale = (
-            fold_state[0], fold_state[1], fold_state[2]
-        )
-        # A changed fp16 loss scale rescales what was recorded under the old
-        # one (factors are powers of two: exact).
-        rescale = ops.where(
-            ops.logical_and(
-                ops.greater(loss_scale, 0.0), ops.greater(last_loss_scale, 0.0)
-            ),
-            ops.divide(loss_scale, ops.maximum(last_loss_scale, 1e-30)),
-            1.0,
-        )
-        history = ops.multiply(history, rescale)
-        scale = ops.multiply(scale, rescale)
-        new_last_loss_scale = ops.where(
-            ops.greater(loss_scale, 0.0), loss_scale, last_loss_scale
-        )
-        fresh = ops.logical_and(
-            ops.greater(token, 0.0), ops.not_equal(token, last_token)
-        )
-        recorded = scaling.record_amax(history, amax, skip_zero=True)
-        new_history = ops.where(fresh, recorded, history)
-        if isinstance(recipe, recipes.CurrentScaling):
-            new_scale = scale
-        else:
-            window = scaling.amax_window(
-                new_history, recipe.amax_compute_algo, recipe.history_len
-            )
-            new_scale = ops.where(
-                fresh, scaling.compute_scale(window, scale, fmt, recipe.margin),
-                scale,
-            )
-        new_folds = ops.where(
-            fresh, ops.mod(folds + 1.0, _FOLD_COUNT_PERIOD), folds
-        )
-        new_last_token = ops.where(fresh, token, last_token)
-        self.grad_amax_history.assign(new_history)
-        self.grad_scale.assign(new_scale)
-        self.grad_fold_state.assign(
-            ops.stack([new_folds, new_last_token, new_last_loss_scale])
-        )
-        return new_history, new_scale, new_folds + 1.0
-
-    def _operand_scale(self, role, x, fmt, recipe, training):
-        """Scale for quantizing operand `role`; records its amax if training."""
-        history_var = getattr(self, f"{role}_amax_history")
-        scale_var = getattr(self, f"{role}_scale")
-        amax = scaling.compute_amax(ops.stop_gradient(x))
-        scale_used, new_history, new_scale = scaling.operand_scale(
-            amax,
-            history_var.value,
-            scale_var.value,
-            fmt,
-            recipe,
-            record=training,
-        )
-        if training:
-            history_var.assign(new_history)
-            scale_var.assign(new_scale)
-        return ops.stop_gradient(scale_used)
+        return compat.raw_value(variable)
 
     def _fp8_matmul(self, x, kernel, recipe, training, bias=None):
         """`x @ kernel (+ bias)` with FP8 operands; updates the state if training.
@@ -248,56 +195,19 @@ class FP8StateMixin:
             kernel: `(K, N)` float32 kernel (the variable's own value).
             recipe: The call's recipe.
             training: Whether to record amaxes and fold the gradient amax.
-            bias: Optional `(N,)` bias, added to the output (fused into the
-                GEMM where the backend can).
+            bias: Optional `(N,)` bias variable, added to the output (fused
+                into the GEMM where the backend can).
 
         Returns:
             `(M, N)` tensor in `x`'s dtype.
         """
-        backend = backends.get()
-        fused = getattr(backend, "fused_fp8_matmul", None)
-        if fused is not None:
-            y = fused(
-                self, x, kernel, bias, recipe, training, self._min_gemm_size()
-            )
-            if y is not None:
-                return y
-        y = self._emulated_or_xla_fp8_matmul(x, kernel, recipe, training)
-        if bias is not None:
-            y = ops.add(y, bias)
-        return y
-
-    def _emulated_or_xla_fp8_matmul(self, x, kernel, recipe, training):
-        fwd_fmt, bwd_fmt = recipe.forward_format, recipe.backward_format
-        x_scale = self._operand_scale("input", x, fwd_fmt, recipe, training)
-        kernel_scale = self._operand_scale(
-            "kernel", kernel, fwd_fmt, recipe, training
-        )
-        if training:
-            grad_history, grad_scale, emit_token = self._fold_pending_grad_amax(
-                recipe, bwd_fmt
-            )
-        else:
-            grad_history = self.grad_amax_history.value
-            grad_scale = self.grad_scale.value
-            emit_token = ops.zeros((), "float32")
-        return backends.get().fp8_matmul(
-            x,
-            kernel,
-            self._raw_value(self.grad_amax_pending),
-            x_scale,
-            kernel_scale,
-            ops.stop_gradient(grad_scale),
-            ops.stop_gradient(grad_history),
-            ops.stop_gradient(emit_token),
-            recipe=recipe,
-        )
+        return backends.get().fp8_matmul(self, x, kernel, bias, recipe, bool(training))
 
     def _fp8_call_recipe(self, inputs):
         """The recipe of this call (None: run as the base layer), after
         checking that an FP8 call can take `inputs`."""
         recipe = self._fp8_recipe()
-        if recipe is None:
+        if recipe is None or self._runs_compute_dtype(inputs):
             return None
         if self.lora_enabled:
             raise NotImplementedError(
@@ -329,7 +239,7 @@ class FP8StateMixin:
     def load_own_variables(self, store):
         if not self.built:
             return
-        self._check_load_own_variables(store)
+        compat.check_load_own_variables(self, store)
         self._kernel.assign(store["0"])
         if self.bias is not None:
             self.bias.assign(store["1"])

@@ -1,0 +1,291 @@
+"""The FP8 numerics of keras-fp8 in `keras.ops`: the reference of every rule.
+
+One module, every rule (docs/design.md, "Numerics"; docs/numerics.md has the
+exact float32 operations): quantizing, the scale rules, the history update,
+the fold of the gradient channel, and the exact emulation of an FP8 matmul.
+The JAX backend runs these functions; the torch backend runs `torch_ops`,
+whose reference (`torch_ops/reference.py`) is tested bit for bit against
+this one.
+
+Conventions:
+
+- `scale` is the dequantization step: `q = cast(clip(x * (1 / scale)))`,
+  clipped to the format's range, and `x ~= q * scale`. Why a reciprocal, not
+  a division: XLA rewrites a division by a scalar into a multiplication by its
+  reciprocal, so `x / scale` is not bit-reproducible across backends, while a
+  correctly rounded scalar reciprocal followed by a product rounds the same
+  way in NumPy, torch, XLA and the CUDA kernels.
+- `scale = (amax_window * f32(1 / fmt_max)) * f32(2**-margin)`; a zero or
+  non-finite window keeps the previous scale.
+- `history[0]` is the newest amax; recording shifts by one and writes slot 0.
+  A non-finite amax is never recorded.
+"""
+
+import numpy as np
+from keras import ops
+
+from keras_fp8 import recipes
+
+# Fold counts wrap here, so that fold tokens stay exact in float32.
+FOLD_COUNT_PERIOD = 2.0**20
+
+
+def _float32_constant(value):
+    """`value` rounded to float32, as a float32 tensor.
+
+    Converted from a Python float (exact in float32), not a NumPy scalar:
+    torch.compile cannot trace Keras's conversion of a NumPy scalar (a graph
+    break per use). The dtype is explicit, whatever `keras.config.floatx()`.
+    """
+    return ops.convert_to_tensor(float(np.float32(value)), dtype="float32")
+
+
+def reciprocal(scale):
+    """`1 / scale` in float32 (one correctly rounded scalar division)."""
+    return ops.divide(1.0, ops.cast(scale, "float32"))
+
+
+def quantize(x, scale, fmt):
+    """Quantizes `x` to FP8 with a saturating cast.
+
+    Args:
+        x: A floating-point tensor.
+        scale: A float32 scalar tensor, the dequantization step.
+        fmt: `"e4m3"` or `"e5m2"`.
+
+    Returns:
+        A tensor of dtype `float8_e4m3fn` or `float8_e5m2`, shaped like `x`.
+        NaN stays NaN (clipping keeps it).
+    """
+    fmt_max = recipes.FORMAT_MAX[fmt]
+    scaled = ops.multiply(ops.cast(x, "float32"), reciprocal(scale))
+    return ops.cast(ops.clip(scaled, -fmt_max, fmt_max), recipes.FORMAT_DTYPE[fmt])
+
+
+def dequantize(q, scale, dtype="float32"):
+    """Returns `q * scale` in `dtype` (exact in float32 for scalar scales)."""
+    return ops.cast(ops.multiply(ops.cast(q, "float32"), scale), dtype)
+
+
+def compute_amax(x):
+    """Returns `max(|x|)` as a float32 scalar; NaN or inf if `x` has one."""
+    return ops.amax(ops.abs(ops.cast(x, "float32")))
+
+
+def is_usable_amax(amax):
+    """True where `amax` is finite and positive (it can define a scale)."""
+    return ops.logical_and(ops.isfinite(amax), ops.greater(amax, 0.0))
+
+
+def inverse_format_max(fmt):
+    """`1 / fmt_max` rounded to float32: the constant scales are built from."""
+    return _float32_constant(1.0 / recipes.FORMAT_MAX[fmt])
+
+
+def margin_multiplier(margin):
+    """`2**-margin` rounded to float32, the factor of every scale."""
+    return _float32_constant(2.0 ** -float(margin))
+
+
+def compute_scale(amax_window, previous_scale, fmt, margin=0.0):
+    """Returns the scale for `amax_window`, or `previous_scale` if unusable.
+
+    Args:
+        amax_window: float32 scalar, the amax the scale should cover.
+        previous_scale: float32 scalar, kept when the window is zero or not
+            finite.
+        fmt: `"e4m3"` or `"e5m2"`.
+        margin: Scale margin (docs/numerics.md).
+
+    Returns:
+        A float32 scalar tensor.
+    """
+    scale = ops.multiply(ops.multiply(amax_window, inverse_format_max(fmt)), margin_multiplier(margin))
+    return ops.where(is_usable_amax(amax_window), scale, previous_scale)
+
+
+def amax_window(history, amax_compute_algo="max", history_len=None):
+    """Reduces an amax history to the amax that defines the next scale.
+
+    Args:
+        history: float32 tensor of shape `(H,)`, newest first.
+        amax_compute_algo: `"max"` or `"most_recent"`.
+        history_len: Only the newest `history_len` entries count (all if None
+            or larger than `H`).
+
+    Returns:
+        A float32 scalar tensor.
+    """
+    if amax_compute_algo == "most_recent":
+        return history[0]
+    if history_len is not None and history_len < history.shape[0]:
+        history = history[:history_len]
+    return ops.amax(history)
+
+
+def record_amax(history, amax, skip_zero=False):
+    """Returns `history` with `amax` recorded in slot 0 (unless not finite).
+
+    Args:
+        history: float32 tensor of shape `(H,)`, newest first.
+        amax: float32 scalar tensor.
+        skip_zero: Also leave the history unchanged when `amax <= 0`.
+
+    Returns:
+        The new history, same shape.
+    """
+    amax = ops.cast(amax, "float32")
+    shifted = ops.concatenate([ops.reshape(amax, (1,)), history[:-1]], axis=0)
+    keep = is_usable_amax(amax) if skip_zero else ops.isfinite(amax)
+    return ops.where(keep, shifted, history)
+
+
+def history_is_empty(history):
+    """True while nothing non-zero has been recorded in `history`."""
+    return ops.equal(ops.amax(history), 0.0)
+
+
+def delayed_scale_update(amax, history, scale, fmt, recipe, record=True):
+    """One delayed-scaling step for one operand.
+
+    Args:
+        amax: float32 scalar, the amax of the tensor quantized by this call.
+        history: float32 `(H,)` amax history before this call.
+        scale: float32 scalar, the scale computed after the previous call.
+        fmt: The operand's FP8 format.
+        recipe: A `DelayedScaling` recipe.
+        record: Whether this call's amax is recorded (training) or not.
+
+    Returns:
+        `(scale_used, new_history, new_scale)`: the scale to quantize this
+        call's tensor with (seeded from `amax` while the history is empty),
+        and the state after the call (unchanged when `record` is False).
+    """
+    seeded = compute_scale(amax, scale, fmt, recipe.margin)
+    scale_used = ops.where(history_is_empty(history), seeded, scale)
+    if not record:
+        return scale_used, history, scale
+    new_history = record_amax(history, amax)
+    window = amax_window(new_history, recipe.amax_compute_algo, recipe.history_len)
+    new_scale = compute_scale(window, scale_used, fmt, recipe.margin)
+    return scale_used, new_history, new_scale
+
+
+def operand_scale(amax, history, scale, fmt, recipe, record=True):
+    """The scale step of any recipe for a forward operand.
+
+    Current scaling uses `compute_scale(amax, scale)`, leaves the history
+    unchanged and (when recording) stores the scale it used.
+
+    Returns:
+        `(scale_used, new_history, new_scale)`.
+    """
+    if isinstance(recipe, recipes.CurrentScaling):
+        scale_used = compute_scale(amax, scale, fmt, recipe.margin)
+        return scale_used, history, (scale_used if record else scale)
+    return delayed_scale_update(amax, history, scale, fmt, recipe, record)
+
+
+def backward_scale(amax, history, scale, fmt, recipe):
+    """The scale that quantizes an output gradient (nothing recorded here).
+
+    Delayed scaling uses `scale` unless the history is empty, in which case the
+    gradient seeds it from its own amax; current scaling always uses the amax.
+    """
+    seeded = compute_scale(amax, scale, fmt, recipe.margin)
+    if isinstance(recipe, recipes.CurrentScaling):
+        return seeded
+    return ops.where(history_is_empty(history), seeded, scale)
+
+
+def fold_pending_grad_amax(pending, fold_state, history, scale, fmt, recipe):
+    """Folds the gradient channel's pending amax into the gradient state.
+
+    `pending = [amax, token, loss_scale]` is what the last backward returned
+    through the gradient of `grad_amax_pending`; `fold_state = [folds,
+    last_token, last_loss_scale]` tells a fresh value (token > 0 and new) from
+    one already folded (a skipped fp16 step never overwrites `pending`; a
+    layer called twice in a step folds once). A changed fp16 loss scale first
+    rescales the history and the scale by `loss_scale / last_loss_scale`
+    (powers of two: exact). A fresh, positive, finite amax is recorded; under
+    delayed scaling the scale follows the window.
+
+    Returns:
+        `(new_history, new_scale, new_fold_state, emit_token)`: the gradient
+        state after the fold, and the token this call's backward emits.
+    """
+    amax, token, loss_scale = pending[0], pending[1], pending[2]
+    folds, last_token, last_loss_scale = fold_state[0], fold_state[1], fold_state[2]
+    rescale = ops.where(
+        ops.logical_and(ops.greater(loss_scale, 0.0), ops.greater(last_loss_scale, 0.0)),
+        ops.divide(loss_scale, ops.maximum(last_loss_scale, 1e-30)),
+        1.0,
+    )
+    history = ops.multiply(history, rescale)
+    scale = ops.multiply(scale, rescale)
+    new_last_loss_scale = ops.where(ops.greater(loss_scale, 0.0), loss_scale, last_loss_scale)
+    fresh = ops.logical_and(ops.greater(token, 0.0), ops.not_equal(token, last_token))
+    new_history = ops.where(fresh, record_amax(history, amax, skip_zero=True), history)
+    if isinstance(recipe, recipes.CurrentScaling):
+        new_scale = scale
+    else:
+        window = amax_window(new_history, recipe.amax_compute_algo, recipe.history_len)
+        new_scale = ops.where(fresh, compute_scale(window, scale, fmt, recipe.margin), scale)
+    new_folds = ops.where(fresh, ops.mod(folds + 1.0, FOLD_COUNT_PERIOD), folds)
+    new_last_token = ops.where(fresh, token, last_token)
+    new_fold_state = ops.stack([new_folds, new_last_token, new_last_loss_scale])
+    return new_history, new_scale, new_fold_state, new_folds + 1.0
+
+
+# --------------------------------------------------------------------------- the exact FP8 matmul
+def scaled_matmul(a_q, b_q, scale, out_dtype, bias=None):
+    """Returns `(a_q @ b_q) * scale (+ bias)` in `out_dtype`, accumulated in
+    float32 and rounded once.
+
+    FP8 values dequantize exactly to float32 and float32 products of two FP8
+    values are exact, so this is what an FP8 GEMM with float32 accumulation
+    and a fused bias computes (up to the order of the sums).
+
+    Args:
+        a_q: `(M, K)` FP8 tensor.
+        b_q: `(K, N)` FP8 tensor.
+        scale: float32 scalar, the product of the two operands' scales.
+        out_dtype: Output dtype.
+        bias: Optional `(N,)` bias, added in float32 before the rounding.
+    """
+    product = ops.multiply(ops.matmul(ops.cast(a_q, "float32"), ops.cast(b_q, "float32")), scale)
+    if bias is not None:
+        product = ops.add(product, ops.cast(bias, "float32"))
+    return ops.cast(product, out_dtype)
+
+
+def fp8_forward(x, kernel, x_scale, kernel_scale, recipe, bias=None, matmul=scaled_matmul):
+    """Quantizes both operands and multiplies them (the bias fused).
+
+    Returns:
+        `(y, x_q, kernel_q)`.
+    """
+    fmt = recipe.forward_format
+    x_q = quantize(x, x_scale, fmt)
+    kernel_q = quantize(kernel, kernel_scale, fmt)
+    y = matmul(x_q, kernel_q, ops.multiply(x_scale, kernel_scale), x.dtype, bias)
+    return y, x_q, kernel_q
+
+
+def fp8_backward(grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe, x_dtype,
+                 kernel_dtype, matmul=scaled_matmul):
+    """The backward pass: one quantized gradient for both gradient matmuls.
+
+    Returns:
+        `(dx, dkernel, dpending)`, `dpending = [amax of the gradient (0 where
+        not finite), emit_token, 0]`: the gradient channel's value.
+    """
+    fmt = recipe.backward_format
+    amax = compute_amax(grad)
+    scale = backward_scale(amax, grad_history, grad_scale, fmt, recipe)
+    grad_q = quantize(grad, scale, fmt)
+    dx = matmul(grad_q, ops.transpose(kernel_q), ops.multiply(scale, kernel_scale), x_dtype)
+    dkernel = matmul(ops.transpose(x_q), grad_q, ops.multiply(x_scale, scale), kernel_dtype)
+    finite_amax = ops.where(ops.isfinite(amax), amax, ops.zeros_like(amax))
+    dpending = ops.stack([finite_amax, ops.cast(emit_token, "float32"), ops.zeros_like(amax)])
+    return dx, dkernel, dpending

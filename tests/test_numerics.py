@@ -1,0 +1,168 @@
+"""The reference numerics (keras_fp8.numerics) against ml_dtypes and NumPy."""
+
+import ml_dtypes
+import numpy as np
+from absl.testing import parameterized
+from keras import ops
+
+import keras_fp8
+from keras_fp8 import numerics
+from tests import backend_utils
+from tests import reference
+
+_NP_DTYPES = {
+    "float32": np.float32,
+    "bfloat16": ml_dtypes.bfloat16,
+    "float16": np.float16,
+}
+
+
+def _special_values(fmt):
+    _, fmt_max = reference.FMT[fmt]
+    tiny = float(ml_dtypes.finfo(reference.FMT[fmt][0]).smallest_subnormal)
+    return np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, fmt_max, -fmt_max,
+         fmt_max * 1.07, -fmt_max * 3, 1e30, tiny, tiny / 2, tiny * 0.75,
+         -tiny * 1.5, tiny * 3.5],
+        np.float32,
+    )
+
+
+class QuantizeTest(parameterized.TestCase):
+    @parameterized.product(
+        fmt=["e4m3", "e5m2"],
+        dtype=["float32", "bfloat16", "float16"],
+        seed=[0, 1],
+    )
+    def test_bit_exact_against_ml_dtypes(self, fmt, dtype, seed):
+        rng = np.random.default_rng(seed)
+        _, fmt_max = reference.FMT[fmt]
+        # Random magnitudes over the whole range, past the max and into the
+        # subnormals, plus the special values.
+        x = rng.standard_normal(4096) * np.exp2(rng.uniform(-24, 20, 4096))
+        x = np.concatenate([x, _special_values(fmt)]).astype(np.float32)
+        x = x.astype(_NP_DTYPES[dtype]).astype(np.float32)
+        finite = np.abs(x[np.isfinite(x)])
+        scale = np.float32(rng.uniform(0.5, 2.0) * finite.max() / fmt_max / 8)
+        q = numerics.quantize(
+            ops.cast(ops.convert_to_tensor(x), dtype),
+            ops.convert_to_tensor(scale),
+            fmt,
+        )
+        ours = ops.convert_to_numpy(ops.cast(q, "float32"))
+        expected = reference.quantize(x, scale, fmt).astype(np.float32)
+        np.testing.assert_array_equal(np.isnan(ours), np.isnan(expected))
+        np.testing.assert_array_equal(
+            ours[~np.isnan(ours)], expected[~np.isnan(expected)]
+        )
+        # Saturation: no inf ever comes out.
+        self.assertFalse(np.isinf(ours).any())
+        # The float8 bytes themselves agree.
+        ours_bytes = backend_utils.fp8_bytes(q)
+        np.testing.assert_array_equal(
+            ours_bytes[~np.isnan(ours)],
+            reference.quantize(x, scale, fmt).view(np.uint8)[~np.isnan(ours)],
+        )
+
+    def test_dequantize_is_exact(self):
+        x = np.random.default_rng(3).standard_normal(512).astype(np.float32)
+        q = numerics.quantize(ops.convert_to_tensor(x), 0.01, "e4m3")
+        ours = ops.convert_to_numpy(numerics.dequantize(q, 0.01))
+        expected = reference.dequantize(reference.quantize(x, 0.01, "e4m3"), 0.01)
+        np.testing.assert_array_equal(ours, expected)
+
+    def test_amax_propagates_non_finite(self):
+        x = np.array([1.0, -3.0, 2.0], np.float32)
+        self.assertEqual(float(numerics.compute_amax(x)), 3.0)
+        self.assertTrue(np.isinf(float(numerics.compute_amax(np.append(x, -np.inf)))))
+        self.assertTrue(np.isnan(float(numerics.compute_amax(np.append(x, np.nan)))))
+
+
+class ScaleTest(parameterized.TestCase):
+    @parameterized.product(fmt=["e4m3", "e5m2"], margin=[0.0, 1.0, 3.0])
+    def test_compute_scale(self, fmt, margin):
+        for window in [3.5, 1e-30, 0.0, np.inf, np.nan, 5e4]:
+            ours = float(numerics.compute_scale(np.float32(window), np.float32(0.25), fmt, margin))
+            expected = reference.compute_scale(window, 0.25, fmt, margin)
+            self.assertEqual(ours, float(expected), msg=f"window={window}")
+
+    def test_record_amax_layout_and_non_finite(self):
+        h = np.array([3.0, 2.0, 1.0, 0.5], np.float32)
+        np.testing.assert_array_equal(
+            ops.convert_to_numpy(numerics.record_amax(h, np.float32(7.0))),
+            [7.0, 3.0, 2.0, 1.0],
+        )
+        for bad in [np.inf, -np.inf, np.nan]:
+            np.testing.assert_array_equal(
+                ops.convert_to_numpy(numerics.record_amax(h, np.float32(bad))), h
+            )
+        np.testing.assert_array_equal(
+            ops.convert_to_numpy(numerics.record_amax(h, np.float32(0.0))),
+            [0.0, 3.0, 2.0, 1.0],
+        )
+        np.testing.assert_array_equal(
+            ops.convert_to_numpy(
+                numerics.record_amax(h, np.float32(0.0), skip_zero=True)
+            ),
+            h,
+        )
+
+    @parameterized.product(
+        algo=["max", "most_recent"], margin=[0.0, 2.0], history_len=[1, 4, 16],
+        fmt=["e4m3", "e5m2"],
+    )
+    def test_delayed_scaling_against_reference(self, algo, margin, history_len, fmt):
+        recipe = keras_fp8.DelayedScaling(
+            history_len=history_len, margin=margin, amax_compute_algo=algo
+        )
+        ref = reference.DelayedOperand(history_len, fmt, margin, algo)
+        history = np.zeros(history_len, np.float32)
+        scale = np.float32(1.0)
+        rng = np.random.default_rng(history_len)
+        amaxes = list(rng.uniform(0.1, 100.0, 12).astype(np.float32))
+        # Zero and non-finite amaxes in the middle of the run.
+        amaxes[4:4] = [np.float32(0.0), np.float32(np.inf), np.float32(np.nan)]
+        for i, a in enumerate(amaxes):
+            record = i != 9  # one inference call in the middle
+            used, history, scale = numerics.delayed_scale_update(
+                np.float32(a), history, scale, fmt, recipe, record=record
+            )
+            expected_used = ref.step(a, record=record)
+            self.assertEqual(float(used), float(expected_used), msg=f"call {i}")
+            np.testing.assert_array_equal(ops.convert_to_numpy(history), ref.history)
+            self.assertEqual(float(scale), float(ref.scale), msg=f"call {i}")
+            history = ops.convert_to_numpy(history)
+            scale = np.float32(ops.convert_to_numpy(scale))
+
+    def test_first_call_seeds_from_its_own_amax(self):
+        recipe = keras_fp8.DelayedScaling(history_len=4)
+        used, history, scale = numerics.delayed_scale_update(
+            np.float32(44.8), np.zeros(4, np.float32), np.float32(1.0), "e4m3", recipe
+        )
+        self.assertAlmostEqual(float(used), 0.1, places=6)
+        self.assertEqual(float(scale), float(used))
+        np.testing.assert_array_equal(
+            ops.convert_to_numpy(history), np.array([44.8, 0, 0, 0], np.float32)
+        )
+
+    def test_first_call_non_finite_keeps_scale(self):
+        recipe = keras_fp8.DelayedScaling(history_len=4)
+        used, history, scale = numerics.delayed_scale_update(
+            np.float32(np.nan), np.zeros(4, np.float32), np.float32(1.0), "e4m3", recipe
+        )
+        self.assertEqual(float(used), 1.0)
+        self.assertEqual(float(scale), 1.0)
+        np.testing.assert_array_equal(ops.convert_to_numpy(history), np.zeros(4))
+
+    def test_current_scaling(self):
+        recipe = keras_fp8.CurrentScaling(margin=1.0)
+        used, history, scale = numerics.operand_scale(
+            np.float32(448.0), np.zeros(3, np.float32), np.float32(7.0), "e4m3", recipe
+        )
+        self.assertEqual(float(used), 0.5)
+        self.assertEqual(float(scale), 0.5)
+        np.testing.assert_array_equal(ops.convert_to_numpy(history), np.zeros(3))
+        used, _, _ = numerics.operand_scale(
+            np.float32(0.0), np.zeros(3, np.float32), np.float32(7.0), "e4m3", recipe
+        )
+        self.assertEqual(float(used), 7.0)

@@ -1,0 +1,142 @@
+"""Shared helpers of the torch_ops tests: data, comparisons, the GPU gate.
+
+GPU tests skip only where no FP8 GPU is present. On a machine with one, a
+kernel build that fails makes them fail (`kernels_required`), never skip and
+never pass on the reference that the fallback would run.
+"""
+
+import pytest
+import torch
+
+import torch_ops
+from torch_ops import extension
+from torch_ops import reference as ref
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_GPU = extension.fp8_gpu_present()
+DEV = "cuda" if FP8_GPU else "cpu"
+
+# For GPU test modules: `pytestmark = needs_fp8_gpu` and the fixture below.
+needs_fp8_gpu = pytest.mark.skipif(not FP8_GPU, reason="no FP8 GPU (sm_89 or sm_90) is present")
+
+
+@pytest.fixture(autouse=False)
+def kernels_required():
+    """Fails (rather than skips) where the kernels do not serve the GPU."""
+    reason = torch_ops.unavailable_reason("cuda")
+    assert reason is None, f"an FP8 GPU is present but the torch_ops kernels do not serve it: {reason}"
+
+
+def poison(nbytes: int = 1 << 30):
+    """Fills free memory of the caching allocator with 0xFF (NaN in both FP8
+    formats), then releases it, so that an element a kernel did not write
+    cannot match the reference."""
+    ts = [torch.empty(nbytes, dtype=torch.uint8, device=DEV)]
+    for p in range(9, 20):
+        ts += [torch.empty(1 << p, dtype=torch.uint8, device=DEV) for _ in range(8)]
+    for t in ts:
+        t.fill_(0xFF)
+    del ts
+
+
+SPECIAL_VALUES = (float("nan"), float("inf"), float("-inf"), 1e9, -1e9, 7e4, -7e4)
+
+
+def rand(shape, dtype, scale=100.0, special=True, seed=0, device=None):
+    """Fresh random data (never zeros), with `SPECIAL_VALUES` sprinkled in."""
+    device = DEV if device is None else device
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape, generator=g, device=device, dtype=torch.float32) * scale
+    if special and x.numel() >= 8:
+        flat = x.view(-1)
+        idx = torch.randint(0, x.numel(), (len(SPECIAL_VALUES),), generator=g, device=device)
+        flat[idx] = torch.tensor(SPECIAL_VALUES, device=device)
+    return x.to(dtype)
+
+
+def assert_same_fp8(got: torch.Tensor, want: torch.Tensor):
+    """Equal FP8 bytes; NaN in the same places (any NaN encoding)."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    gn, wn = torch.isnan(got.float()), torch.isnan(want.float())
+    assert torch.equal(gn, wn), f"NaN positions differ: {int((gn != wn).sum())}"
+    diff = (got.view(torch.uint8) != want.view(torch.uint8)) & ~wn
+    assert int(diff.sum()) == 0, f"{int(diff.sum())} of {got.numel()} bytes differ"
+
+
+def assert_same_f32(got, want):
+    """Bit-equal float32 tensors (NaN where the other is NaN)."""
+    assert got.dtype == torch.float32 and want.dtype == torch.float32, (got.dtype, want.dtype)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    assert bool(same.all()), f"{got} vs {want}"
+
+
+def assert_close(got, want, rtol, atol_fraction=1e-2, msg=""):
+    """Element by element: |got - want| <= atol + rtol * |want|, with atol a
+    fraction of want's largest magnitude (products of random data cancel)."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    assert got.shape == want.shape, (msg, got.shape, want.shape)
+    assert not bool(torch.isnan(got).any()), f"{msg}: NaN"
+    atol = atol_fraction * rtol * float(want.abs().max().clamp_min(1e-30))
+    bad = (got - want).abs() > atol + rtol * want.abs()
+    assert int(bad.sum()) == 0, (f"{msg}: {int(bad.sum())} of {want.numel()} elements beyond "
+                                 f"{atol:.3g} + {rtol} |want|; worst {float((got - want).abs().max()):.4g}")
+
+
+def clone_state(state):
+    return torch_ops.FP8LinearState(*(t.clone() for t in state.tensors()))
+
+
+def assert_same_state(got, want):
+    for name, u, v in zip(("input_scale", "input_amax_history", "kernel_scale", "kernel_amax_history",
+                           "grad_scale", "grad_amax_history"), got.tensors(), want.tensors()):
+        assert torch.equal(u, v), f"state.{name}: {u} vs {v}"
+
+
+def reference_linear(x, w, b, gy, state, *, fp8_format="hybrid", scaling="delayed", margin=0.0,
+                     amax_compute_algo="max", weight_layout="out_in", training=True):
+    """One training call of an FP8 linear composed explicitly from
+    `torch_ops.reference` (quantize x and W, one FP8 GEMM; quantize the
+    gradient once, two FP8 GEMMs), on `state` in place.
+
+    Returns:
+        `(y, dx, dw, db)`; the gradients in the dtypes autograd gives them.
+    """
+    fwd_dt, grad_dt = ref.FP8_FORMATS[fp8_format]
+    k = x.shape[-1]
+    x2d = x.reshape(-1, k)
+    w_nk = w.t() if weight_layout == "in_out" else w
+    s = state
+
+    def quant(t, hist, scale, dt, record):
+        if scaling == "delayed":
+            return ref.quantize_delayed(t, hist, scale, dt, margin=margin, amax_compute_algo=amax_compute_algo,
+                                        record=record)
+        q, used, a = ref.quantize_current(t, dt, margin=margin, prev_scale=scale)
+        if record:
+            scale.copy_(used.reshape(scale.shape))
+        return q, used, a
+
+    qx, sx, _ = quant(x2d, s.input_amax_history, s.input_scale, fwd_dt, training)
+    qw, sw, _ = quant(w_nk, s.kernel_amax_history, s.kernel_scale, fwd_dt, training)
+    bias = None if b is None else b.to(x.dtype)
+    y = ref.fp8_gemm(qx, qw, sx, sw, bias=bias, out_dtype=x.dtype)
+    g2d = gy.reshape(-1, y.shape[-1])
+    qg, sg, _ = quant(g2d, s.grad_amax_history, s.grad_scale, grad_dt, training and scaling == "delayed")
+    dx = ref.fp8_gemm(qg, qw.t().contiguous(), sg, sw, out_dtype=x.dtype)
+    dw_nk = ref.fp8_gemm(qg.t().contiguous(), qx.t().contiguous(), sg, sx, out_dtype=w.dtype)
+    dw = dw_nk.t() if weight_layout == "in_out" else dw_nk
+    db = None if b is None else g2d.float().sum(0).to(b.dtype)
+    return y.reshape(*x.shape[:-1], -1), dx.reshape(x.shape), dw, db
+
+
+def run_linear(fn, x, w, b, gy, state, **kwargs):
+    """``fn(x, w, b, state=state, **kwargs)`` forward and backward on fresh
+    leaves. Returns `(y, dx, dw, db)`."""
+    xx = x.clone().requires_grad_()
+    ww = w.clone().requires_grad_()
+    bb = None if b is None else b.clone().requires_grad_()
+    y = fn(xx, ww, bb, state=state, **kwargs)
+    y.backward(gy)
+    return y.detach(), xx.grad, ww.grad, None if bb is None else bb.grad

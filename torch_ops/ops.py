@@ -1,0 +1,232 @@
+"""The ``torch.library`` custom ops of torch_ops (namespace ``torch_ops``).
+
+Each op runs the CUDA kernel where ``extension.kernels_for`` serves its input's
+device, and the reference (``torch_ops.reference``) elsewhere, so the same
+graph works everywhere. Mutated arguments are declared and every op has a
+fake implementation: ``torch.compile(fullgraph=True)`` traces through them
+and CUDA graphs capture them (no host sync, no host-side index).
+
+The ops take 2-D ``x`` (rows, cols). ``pad=True`` lays the FP8 outputs out as
+cuBLASLt's FP8 GEMMs need them: rows a multiple of 16 bytes long, the padding
+zero bytes (``q`` is (R, round16(C)), ``qt`` is (C, round16(R))). An output
+that was not asked for is an empty tensor.
+
+Outside torch.compile, on plain tensors, the functions at the bottom call the
+implementations directly: the custom-op dispatcher costs tens of
+microseconds of host time per call, more than a small kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import extension
+from . import reference as ref
+
+_FMT_ID = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+_ALGO_ID = {"max": 0, "most_recent": 1}
+
+
+def _r16(v: int) -> int:
+    return (v + 15) // 16 * 16
+
+
+def _pad_cols(q: torch.Tensor, cols: int) -> torch.Tensor:
+    if q.shape[1] == cols:
+        return q.contiguous()
+    return F.pad(q.view(torch.uint8), (0, cols - q.shape[1])).view(q.dtype)
+
+
+def _layouts(x, q, dt, transpose, pad, write_q):
+    """The reference's q in the layouts the op was asked for."""
+    R, C = x.shape
+    qt = _pad_cols(q.t().contiguous(), _r16(R) if pad else R) if transpose else x.new_empty((0,), dtype=dt)
+    qo = _pad_cols(q, _r16(C) if pad else C) if write_q else x.new_empty((0,), dtype=dt)
+    return qo, qt
+
+
+def _fake_layouts(x, dt, transpose, pad, write_q):
+    R, C = x.shape
+    q = x.new_empty((R, _r16(C) if pad else C), dtype=dt) if write_q else x.new_empty((0,), dtype=dt)
+    qt = x.new_empty((C, _r16(R) if pad else R), dtype=dt) if transpose else x.new_empty((0,), dtype=dt)
+    return q, qt
+
+
+def _scalar_out(x):
+    return x.new_empty((), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- quantize (a given scale)
+def _quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool, pad: bool,
+                write_q: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ext = extension.kernels_for(x)
+    if ext is not None:
+        return tuple(ext.quantize(x, scale, _FMT_ID[fp8_dtype], transpose, pad, write_q))
+    q = ref.quantize_with_scale(x, scale, fp8_dtype)
+    return (*_layouts(x, q, fp8_dtype, transpose, pad, write_q), ref.amax(x))
+
+
+quantize_op = torch.library.custom_op("torch_ops::quantize", mutates_args=())(_quantize)
+
+
+@quantize_op.register_fake
+def _(x, scale, fp8_dtype, transpose, pad, write_q):
+    return (*_fake_layouts(x, fp8_dtype, transpose, pad, write_q), _scalar_out(x))
+
+
+# --------------------------------------------------------------------------- delayed scaling
+def _quantize_delayed(x: torch.Tensor, amax_history: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                        margin: float, amax_compute_algo: str, transpose: bool, record: bool, pad: bool,
+                        write_q: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ext = extension.kernels_for(x)
+    if ext is not None:
+        return tuple(ext.quantize_delayed(x, amax_history, scale, _FMT_ID[fp8_dtype], ref.margin_multiplier(margin),
+                                          _ALGO_ID[amax_compute_algo], transpose, record, pad, write_q))
+    q, scale_used, a = ref.quantize_delayed(x, amax_history, scale, fp8_dtype, margin=margin,
+                                            amax_compute_algo=amax_compute_algo, record=record)
+    return (*_layouts(x, q, fp8_dtype, transpose, pad, write_q), scale_used, a)
+
+
+quantize_delayed_op = torch.library.custom_op("torch_ops::quantize_delayed", mutates_args=("amax_history", "scale"))(_quantize_delayed)
+
+
+@quantize_delayed_op.register_fake
+def _(x, amax_history, scale, fp8_dtype, margin, amax_compute_algo, transpose, record, pad, write_q):
+    return (*_fake_layouts(x, fp8_dtype, transpose, pad, write_q), _scalar_out(x), _scalar_out(x))
+
+
+# --------------------------------------------------------------------------- current scaling
+def _quantize_current(x: torch.Tensor, prev_scale: Optional[torch.Tensor], fp8_dtype: torch.dtype, margin: float,
+                        transpose: bool, pad: bool,
+                        write_q: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ext = extension.kernels_for(x)
+    if ext is not None:
+        return tuple(ext.quantize_current(x, prev_scale, _FMT_ID[fp8_dtype], ref.margin_multiplier(margin), transpose,
+                                          pad, write_q))
+    q, scale_used, a = ref.quantize_current(x, fp8_dtype, margin=margin, prev_scale=prev_scale)
+    return (*_layouts(x, q, fp8_dtype, transpose, pad, write_q), scale_used, a)
+
+
+quantize_current_op = torch.library.custom_op("torch_ops::quantize_current", mutates_args=())(_quantize_current)
+
+
+@quantize_current_op.register_fake
+def _(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q):
+    return (*_fake_layouts(x, fp8_dtype, transpose, pad, write_q), _scalar_out(x), _scalar_out(x))
+
+
+# --------------------------------------------------------------------------- record an amax
+def _record_amax(amax_history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype,
+                   margin: float, amax_compute_algo: str, skip_zero: bool) -> None:
+    ext = extension.kernels_for(amax_history)
+    if ext is not None:
+        ext.record_amax(amax_history, scale, amax.reshape(()).float().contiguous(), _FMT_ID[fp8_dtype],
+                        ref.margin_multiplier(margin), _ALGO_ID[amax_compute_algo], skip_zero)
+        return
+    ref.record_amax(amax_history, scale, amax, fp8_dtype, margin=margin, amax_compute_algo=amax_compute_algo,
+                    skip_zero=skip_zero)
+
+
+record_amax_op = torch.library.custom_op("torch_ops::record_amax", mutates_args=("amax_history", "scale"))(_record_amax)
+
+
+@record_amax_op.register_fake
+def _(amax_history, scale, amax, fp8_dtype, margin, amax_compute_algo, skip_zero):
+    return None
+
+
+# --------------------------------------------------------------------------- the gradient channel's fold
+def _fold(pending: torch.Tensor, fold_state: torch.Tensor, history: torch.Tensor, scale: torch.Tensor,
+            fp8_dtype: torch.dtype, margin: float, amax_compute_algo: str, window: int,
+            update_scale: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ext = extension.kernels_for(pending)
+    if ext is not None:
+        return tuple(ext.fold_grad_amax(pending, fold_state, history, scale, ref.f32(1.0 / ref.fp8_max(fp8_dtype)),
+                                        ref.margin_multiplier(margin), _ALGO_ID[amax_compute_algo], window,
+                                        update_scale))
+    with torch.no_grad():
+        return ref.fold_pending_grad_amax(pending, fold_state, history, scale, fp8_dtype, margin=margin,
+                                          amax_compute_algo=amax_compute_algo, window_len=window,
+                                          update_scale=update_scale)
+
+
+fold_op = torch.library.custom_op("torch_ops::fold_grad_amax", mutates_args=("fold_state", "history", "scale"))(_fold)
+
+
+@fold_op.register_fake
+def _(pending, fold_state, history, scale, fp8_dtype, margin, amax_compute_algo, window, update_scale):
+    return pending.new_empty(()), pending.new_empty(()), history.new_empty(history.shape)
+
+
+# --------------------------------------------------------------------------- FP8 GEMM
+def _gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+            bias: Optional[torch.Tensor], out_dtype: torch.dtype, use_fast_accum: bool,
+            autotune: bool) -> torch.Tensor:
+    ext = extension.kernels_for(a)
+    if ext is not None:
+        return ext.gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, autotune)
+    # Padded operands (pad=True layouts) carry zero bytes past K: harmless.
+    return ref.fp8_gemm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+
+
+gemm_op = torch.library.custom_op("torch_ops::gemm", mutates_args=())(_gemm)
+
+
+@gemm_op.register_fake
+def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, autotune):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------- calls (direct where plain)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain(*ts) -> bool:
+    """True outside torch.compile when every tensor is plain storage (a
+    Tensor or Parameter, or None): then the implementations are called
+    directly; any tensor subclass (fake, functional, DTensor) takes the op."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t is None or type(t) in _PLAIN_TYPES for t in ts)
+
+
+def quantize(x, scale, fp8_dtype, transpose, pad, write_q):
+    if plain(x, scale):
+        return _quantize(x, scale, fp8_dtype, transpose, pad, write_q)
+    return torch.ops.torch_ops.quantize(x, scale, fp8_dtype, transpose, pad, write_q)
+
+
+def quantize_delayed(x, amax_history, scale, fp8_dtype, margin, algo, transpose, record, pad, write_q):
+    if plain(x, amax_history, scale):
+        return _quantize_delayed(x, amax_history, scale, fp8_dtype, margin, algo, transpose, record, pad,
+                                            write_q)
+    return torch.ops.torch_ops.quantize_delayed(x, amax_history, scale, fp8_dtype, margin, algo, transpose, record,
+                                                pad, write_q)
+
+
+def quantize_current(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q):
+    if plain(x, prev_scale):
+        return _quantize_current(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q)
+    return torch.ops.torch_ops.quantize_current(x, prev_scale, fp8_dtype, margin, transpose, pad, write_q)
+
+
+def record_amax(amax_history, scale, amax, fp8_dtype, margin, algo, skip_zero):
+    if plain(amax_history, scale, amax):
+        return _record_amax(amax_history, scale, amax, fp8_dtype, margin, algo, skip_zero)
+    return torch.ops.torch_ops.record_amax(amax_history, scale, amax, fp8_dtype, margin, algo, skip_zero)
+
+
+def fold(pending, fold_state, history, scale, fp8_dtype, margin, algo, window, update_scale):
+    if plain(pending, fold_state, history, scale):
+        return _fold(pending, fold_state, history, scale, fp8_dtype, margin, algo, window, update_scale)
+    return torch.ops.torch_ops.fold_grad_amax(pending, fold_state, history, scale, fp8_dtype, margin, algo, window,
+                                              update_scale)
+
+
+def gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, autotune):
+    if plain(a, b, scale_a, scale_b, bias):
+        return _gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, autotune)
+    return torch.ops.torch_ops.gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, autotune)
