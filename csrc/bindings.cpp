@@ -108,11 +108,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("record_amax", &record_amax, "history, scale, amax, fmt, mdiv, algo, skip_zero");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum, autotune -> out");
   m.def("linear", &torch_ops::linear,
-        "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, sink, autotune -> out "
+        "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, record_inputs, sink, autotune "
+        "-> out "
         "(None: a tensor is not plain, take the Python path)");
   m.def("linear_folded", &torch_ops::linear_folded,
         "x, weight, bias, pending, fold_state, state[6], grad_fmt, scaling, mdiv, algo, window, in_out, training, "
-        "autotune -> out (None: a tensor is not plain)");
+        "record_inputs, autotune -> out (None: a tensor is not plain)");
   m.def("fold_grad_amax", &torch_ops::fold_grad_amax,
         "pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale -> (token, scale, history)");
 }

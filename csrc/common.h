@@ -35,6 +35,10 @@ constexpr int kMaxDevices = 64;
 constexpr int kE4M3 = 0;
 constexpr int kE5M2 = 1;
 
+// The smallest scale before the margin's factor: the smallest normal float32
+// (torch_ops/reference.py's MIN_SCALE; docs/numerics.md).
+constexpr float kMinScale = 1.17549435082228750797e-38f;  // 2**-126
+
 // "(4, 7)" / "(5,)" as Python prints a shape tuple.
 inline std::string shape_str(const at::Tensor& t) {
   std::string s = "(";
@@ -111,7 +115,7 @@ struct FoldJob {
   int H = 0;
   int window = 0;
   float inv_max = 0.0f;
-  float mdiv = 1.0f;  // the margin's multiplier of the scale
+  float mdiv = 1.0f;  // the margin's factor of the scale, 2**margin
   int most_recent = 0;
   int update_scale = 0;
 };
@@ -140,7 +144,8 @@ struct QuantizeExtras {
 //   history, scale_state: where a recording call shifts the amax in and
 //   writes the next scale (undefined: nothing recorded).
 //   q (R, ldq), qt (C, ldqt): undefined where not wanted; padding columns
-//   are written as zero bytes. mdiv: the margin's multiplier of the scale.
+//   are written as zero bytes. mdiv: the margin's factor of the scale
+//   (2**margin as float32).
 void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int scale_mode,
                      const at::Tensor& scale_in, const at::Tensor& scale_used, const at::Tensor& amax_out,
                      const at::Tensor& history, const at::Tensor& scale_state, const at::Tensor& hist_for_empty,
@@ -187,9 +192,10 @@ bool stream_capturing(cudaStream_t stream);
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   const std::vector<at::Tensor>& state, int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo,
-                  bool in_out, bool training, const c10::optional<at::Tensor>& sink, bool autotune);
+                  bool in_out, bool training, bool record_inputs, const c10::optional<at::Tensor>& sink,
+                  bool autotune);
 at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                          const at::Tensor& pending, const at::Tensor& fold_state, const std::vector<at::Tensor>& state,
                          int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo, int64_t window, bool in_out,
-                         bool training, bool autotune);
+                         bool training, bool record_inputs, bool autotune);
 }  // namespace torch_ops

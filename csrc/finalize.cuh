@@ -31,7 +31,7 @@ struct Finalize {
   const float* scale_used; // the scale this call quantized with
   int algo;                // 0 max, 1 most_recent
   float fmax;
-  float mdiv;              // 2**-margin as float32 (a multiplier)
+  float mdiv;              // the margin's factor, 2**margin as float32
   int skip_zero;
   // Amax-only calls (no fp8 output) skip the pre-pass: the last block derives
   // scale_used itself. 0: scale_used is given; 1: delayed seed rule (from
@@ -55,9 +55,11 @@ struct Finalize {
   QuantizeExtras extras;     // the last block's extra work (common.h)
 };
 
-// (window * f32(1/fmax)) * f32(2**-margin); `mdiv` carries 2**-margin.
+// max(window * f32(1/fmax), 2**-126) * f32(2**margin) for a finite, positive
+// window, else `prev` (torch_ops/reference.py's compute_scale); `mdiv`
+// carries 2**margin.
 __device__ __forceinline__ float compute_scale(float window, float prev, float fmax, float mdiv) {
-  if (isfinite(window) && window > 0.f) return (window * (1.0f / fmax)) * mdiv;
+  if (isfinite(window) && window > 0.f) return fmaxf(window * (1.0f / fmax), kMinScale) * mdiv;
   return prev;
 }
 

@@ -49,9 +49,9 @@ __device__ void fold_block(const FoldJob& j) {
     float window_amax = partial[0];
     for (int w = 1; w < (int)(blockDim.x / 32); ++w) window_amax = nan_max(window_amax, partial[w]);
     if (j.most_recent) window_amax = j.history_out[0];
-    float s = __fmul_rn(j.scale[0], rescale);
+    float s = fmaxf(__fmul_rn(j.scale[0], rescale), kMinScale);
     if (j.update_scale && fresh && isfinite(window_amax) && window_amax > 0.0f) {
-      s = __fmul_rn(__fmul_rn(window_amax, j.inv_max), j.mdiv);
+      s = __fmul_rn(fmaxf(__fmul_rn(window_amax, j.inv_max), kMinScale), j.mdiv);
     }
     j.scale[0] = s;
     j.scale_out[0] = s;

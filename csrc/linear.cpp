@@ -5,9 +5,10 @@
 // both with torch_ops/reference.py.
 //
 // linear(x, weight, bias, <6 state tensors>, grad_fmt, scaling, mdiv, algo,
-//        in_out, training, sink, autotune) -> out (x's leading dims, N)
+//        in_out, training, record_inputs, sink, autotune) -> out (x's leading dims, N)
 // linear_folded(x, weight, bias, pending, fold_state, <6 state tensors>,
-//        grad_fmt, scaling, mdiv, algo, window, in_out, training, autotune)
+//        grad_fmt, scaling, mdiv, algo, window, in_out, training,
+//        record_inputs, autotune)
 //   -> out: the gradient channel's fold, then the linear with `pending` as
 //   the channel: its gradient is [amax (0 if not finite), token, 0].
 // Both return an undefined tensor (None) where a tensor is not a plain dense
@@ -160,6 +161,9 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
                     : fp8_gemm(qg.qt, qxt, qg.scale_used, sx, c10::nullopt, w_dtype, false, autotune);
       }
     }
+    // One record per forward: a second backward through this node
+    // (retain_graph, two losses) quantizes with the state's scale.
+    sd["f"] = f & ~(int64_t)kRecordGrad;
     if (need_db) {
       db = g2d.sum(0, false, at::kFloat);
       if ((f & kRoundDb) && x_dtype != b_dtype) db = db.to(x_dtype);
@@ -230,9 +234,10 @@ Args check_args(const at::Tensor& x, const at::Tensor& weight, const c10::option
                       t.defined() ? c10::toString(t.scalar_type()) : "undefined", " on ",
                       t.defined() ? dname(t) : "?");
     const bool scalar = (i % 2) == 0;
-    TORCH_CHECK_VALUE(t.is_contiguous() && (scalar ? t.numel() == 1 : t.dim() == 1), "state.", kNames[i],
-                      scalar ? ": expected one element" : ": expected a contiguous 1-D history (H,)", ", got shape ",
-                      shape_str(t));
+    TORCH_CHECK_VALUE(t.is_contiguous() && (scalar ? (t.numel() == 1 && t.dim() <= 1) : (t.dim() == 1 && t.numel() >= 1)),
+                      "state.", kNames[i],
+                      scalar ? ": expected a scale of shape () or (1,)" : ": expected a contiguous, non-empty 1-D history (H,)",
+                      ", got ", shape_str(t));
   }
   TORCH_CHECK_VALUE(x.is_cuda(), "x: expected a CUDA tensor here, got device ", x.device());
   return a;
@@ -242,9 +247,11 @@ Args check_args(const at::Tensor& x, const at::Tensor& weight, const c10::option
 // pending vector (linear_folded, with its fold token, undefined when not
 // training). `fold`: null, or the gradient channel's fold (linear_folded's
 // training calls), done by the last block of x's quantize.
+// `record_inputs` false: a forward recomputed inside a backward (activation
+// checkpointing) records no amax of x or the weight a second time.
 at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, const std::vector<at::Tensor>& state,
                int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo, bool in_out, bool training,
-               int64_t sink_flags, const at::Tensor& token, const FoldJob* fold, bool autotune) {
+               bool record_inputs, int64_t sink_flags, const at::Tensor& token, const FoldJob* fold, bool autotune) {
   const long long K = a.K, N = a.N;
   const c10::optional<at::Tensor>& bias = a.bias;
   const c10::optional<at::Tensor>& sink = a.sink;
@@ -255,11 +262,11 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
       grad_on && (x.requires_grad() || weight.requires_grad() || (bias && bias->requires_grad()) || sink.has_value());
   at::Tensor x2d = x.dim() == 2 ? x : x.reshape({-1, K});
   if (!x2d.is_contiguous()) x2d = x2d.contiguous();
-  const bool record = training;
+  const bool record = training && record_inputs;
 
   Extra e;
   e.flags = (in_out ? kInOut : 0) | (need_dx ? kNeedDx : 0) | (need_dw ? kNeedDw : 0) |
-            ((record && !sink.has_value()) ? kRecordGrad : 0) | (bias.has_value() ? kHasBias : 0) |
+            ((training && !sink.has_value()) ? kRecordGrad : 0) | (bias.has_value() ? kHasBias : 0) |
             (sink.has_value() ? (kHasSink | sink_flags) : (sink_flags & kRoundDb)) | (autotune ? kAutotune : 0);
   e.grad_fmt = (int)grad_fmt;
   e.scaling = (int)scaling;
@@ -304,7 +311,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const Args& a, con
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
                   const std::vector<at::Tensor>& state, int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo,
-                  bool in_out, bool training, const c10::optional<at::Tensor>& sink_in, bool autotune) {
+                  bool in_out, bool training, bool record_inputs, const c10::optional<at::Tensor>& sink_in,
+                  bool autotune) {
   if (!plain(x) || !plain(weight) || !plain(bias_in) || !plain(sink_in) || !all_plain(state)) return at::Tensor();
   Args a = check_args(x, weight, bias_in, state, in_out);
   if (sink_in.has_value() && sink_in->defined()) {
@@ -312,14 +320,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     TORCH_CHECK_VALUE(a.sink->dim() == 0 && a.sink->scalar_type() == at::kFloat,
                       "grad_amax_sink: expected a 0-d float32 tensor with requires_grad=True");
   }
-  return run(x, weight, a, state, grad_fmt, scaling, mdiv, algo, in_out, training, 0, at::Tensor(), nullptr,
-             autotune);
+  return run(x, weight, a, state, grad_fmt, scaling, mdiv, algo, in_out, training, record_inputs, 0, at::Tensor(),
+             nullptr, autotune);
 }
 
 at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
                          const at::Tensor& pending, const at::Tensor& fold_state, const std::vector<at::Tensor>& state,
                          int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo, int64_t window, bool in_out,
-                         bool training, bool autotune) {
+                         bool training, bool record_inputs, bool autotune) {
   if (!plain(x) || !plain(weight) || !plain(bias_in) || !plain(pending) || !plain(fold_state) || !all_plain(state))
     return at::Tensor();
   Args a = check_args(x, weight, bias_in, state, in_out);
@@ -342,8 +350,8 @@ at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c1
     st[5] = folded.history;
   }
   if (at::GradMode::is_enabled() && pending.requires_grad()) a.sink = pending;
-  return run(x, weight, a, st, grad_fmt, scaling, mdiv, algo, in_out, training, kSinkVec | kRoundDb, folded.token,
-             training ? &folded.job : nullptr, autotune);
+  return run(x, weight, a, st, grad_fmt, scaling, mdiv, algo, in_out, training, record_inputs, kSinkVec | kRoundDb,
+             folded.token, training ? &folded.job : nullptr, autotune);
 }
 
 }  // namespace torch_ops

@@ -4,8 +4,7 @@
 //
 // Numerics: torch_ops/reference.py, byte for byte (docs/numerics.md):
 // q = cvt_rn_satfinite(float(x) * (1 / scale)) with an IEEE reciprocal (never
-// build this file with --use_fast_math); NaN stays NaN, +-inf saturates to
-// +-max. The amax is a max over the float bits of |x| as unsigned integers:
+// build this file with --use_fast_math); NaN and +-inf quantize to NaN. The amax is a max over the float bits of |x| as unsigned integers:
 // for non-negative floats that order is the float order, and NaN's bits
 // (> 0x7f800000) win over inf's, so NaN and inf propagate with no special case.
 //
@@ -56,9 +55,12 @@ __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162flo
 // Two floats -> two fp8 bytes (a in the low byte). `inv` is 1/scale, one IEEE
 // division per thread: XLA turns x / scale into x * (1/scale), so the
 // reference multiplies by the exact reciprocal too (docs/numerics.md).
+// A non-finite input (+-inf; NaN is NaN anyway) becomes NaN before the
+// saturating convert: inf must not saturate into a finite value.
 template <bool kE5M2>
 __device__ __forceinline__ unsigned short q2(float a, float b, float inv) {
-  float2 v = make_float2(a * inv, b * inv);
+  const float nan = __int_as_float(0x7fffffff);
+  float2 v = make_float2(isinf(a) ? nan : a * inv, isinf(b) ? nan : b * inv);
   return __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, kE5M2 ? __NV_E5M2 : __NV_E4M3);
 }
 

@@ -8,7 +8,6 @@ async tasks each see their own scope; FP8 layers capture the scope's settings
 in the forward pass, so the backward pass uses them too, wherever it runs.
 """
 
-import contextlib
 import contextvars
 import dataclasses
 import threading
@@ -49,8 +48,7 @@ def _count_open_scopes(change):
         _open_scopes += change
 
 
-@contextlib.contextmanager
-def autocast(policy="fp8_hybrid", enabled=True, recipe=None):
+class autocast:
     """Scope that turns FP8 on (or off) for the FP8 layers used inside it.
 
     Args:
@@ -62,8 +60,10 @@ def autocast(policy="fp8_hybrid", enabled=True, recipe=None):
         recipe: Optional recipe overriding the policy's recipe for the FP8
             layers called inside.
 
-    Yields:
-        The `AutocastState` of the scope.
+    Entering returns the `AutocastState` of the scope. A scope is left in the
+    thread (and context) that entered it; leaving it from another raises a
+    RuntimeError and changes nothing, so the scope can still be left where
+    it was entered.
 
     Example:
 
@@ -75,20 +75,36 @@ def autocast(policy="fp8_hybrid", enabled=True, recipe=None):
         y_ref = layer(x)                        # plain bfloat16 matmul
     ```
     """
-    if not isinstance(enabled, bool):
-        raise ValueError(
-            f"Invalid `enabled`. Expected a bool. Received: enabled={enabled!r}"
-        )
-    fp8_policy = policy_lib.get(policy)
-    recipe = recipes.get(recipe) if recipe is not None else fp8_policy.recipe
-    state = AutocastState(enabled=enabled, policy=fp8_policy, recipe=recipe)
-    token = _CURRENT.set(state)
-    _count_open_scopes(1)
-    try:
-        yield state
-    finally:
+
+    def __init__(self, policy="fp8_hybrid", enabled=True, recipe=None):
+        if not isinstance(enabled, bool):
+            raise ValueError(
+                f"Invalid `enabled`. Expected a bool. Received: enabled={enabled!r}"
+            )
+        fp8_policy = policy_lib.get(policy)
+        recipe = recipes.get(recipe) if recipe is not None else fp8_policy.recipe
+        self.state = AutocastState(enabled=enabled, policy=fp8_policy, recipe=recipe)
+        self._tokens = []
+
+    def __enter__(self):
+        self._tokens.append(_CURRENT.set(self.state))
+        _count_open_scopes(1)
+        return self.state
+
+    def __exit__(self, *exc_info):
+        if not self._tokens:
+            raise RuntimeError("keras_fp8.autocast: this scope is not open.")
+        try:
+            _CURRENT.reset(self._tokens[-1])
+        except ValueError:
+            raise RuntimeError(
+                "keras_fp8.autocast: a scope must be left in the thread (and "
+                "context) that entered it; this one was left from another. "
+                "Nothing changed: the scope is still open where it was entered."
+            ) from None
+        self._tokens.pop()
         _count_open_scopes(-1)
-        _CURRENT.reset(token)
+        return False
 
 
 def _scope_policy():

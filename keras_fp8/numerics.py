@@ -15,8 +15,13 @@ Conventions:
   reciprocal, so `x / scale` is not bit-reproducible across backends, while a
   correctly rounded scalar reciprocal followed by a product rounds the same
   way in NumPy, torch, XLA and the CUDA kernels.
-- `scale = (amax_window * f32(1 / fmt_max)) * f32(2**-margin)`; a zero or
-  non-finite window keeps the previous scale.
+- `scale = max(amax_window * f32(1 / fmt_max), 2**-126) * f32(2**margin)`:
+  the window's amax maps to `fmt_max / 2**margin` (margin is headroom), and
+  no scale is below the smallest normal float32, so `1 / scale` and
+  `x * (1 / scale)` stay finite; a zero or non-finite window keeps the
+  previous scale.
+- A non-finite input element quantizes to NaN (+-inf as well), so a
+  non-finite input gives a non-finite output, as a plain matmul would.
 - `history[0]` is the newest amax; recording shifts by one and writes slot 0.
   A non-finite amax is never recorded.
 """
@@ -28,6 +33,10 @@ from keras_fp8 import recipes
 
 # Fold counts wrap here, so that fold tokens stay exact in float32.
 FOLD_COUNT_PERIOD = 2.0**20
+# The smallest scale (before the margin): the smallest normal float32. Its
+# reciprocal, 2**126, is finite; and no intermediate is subnormal, which
+# XLA's CPU backend would flush to zero.
+MIN_SCALE = 2.0**-126
 
 
 def _float32_constant(value):
@@ -55,10 +64,12 @@ def quantize(x, scale, fmt):
 
     Returns:
         A tensor of dtype `float8_e4m3fn` or `float8_e5m2`, shaped like `x`.
-        NaN stays NaN (clipping keeps it).
+        NaN stays NaN (clipping keeps it) and +-inf becomes NaN: a
+        non-finite input must not turn into a finite, saturated value.
     """
     fmt_max = recipes.FORMAT_MAX[fmt]
-    scaled = ops.multiply(ops.cast(x, "float32"), reciprocal(scale))
+    x = ops.cast(x, "float32")
+    scaled = ops.where(ops.isinf(x), float("nan"), ops.multiply(x, reciprocal(scale)))
     return ops.cast(ops.clip(scaled, -fmt_max, fmt_max), recipes.FORMAT_DTYPE[fmt])
 
 
@@ -83,8 +94,8 @@ def inverse_format_max(fmt):
 
 
 def margin_multiplier(margin):
-    """`2**-margin` rounded to float32, the factor of every scale."""
-    return _float32_constant(2.0 ** -float(margin))
+    """`2**margin` rounded to float32, the factor of every scale."""
+    return _float32_constant(2.0 ** float(margin))
 
 
 def compute_scale(amax_window, previous_scale, fmt, margin=0.0):
@@ -100,7 +111,8 @@ def compute_scale(amax_window, previous_scale, fmt, margin=0.0):
     Returns:
         A float32 scalar tensor.
     """
-    scale = ops.multiply(ops.multiply(amax_window, inverse_format_max(fmt)), margin_multiplier(margin))
+    base = ops.maximum(ops.multiply(amax_window, inverse_format_max(fmt)), _float32_constant(MIN_SCALE))
+    scale = ops.multiply(base, margin_multiplier(margin))
     return ops.where(is_usable_amax(amax_window), scale, previous_scale)
 
 
@@ -207,7 +219,8 @@ def fold_pending_grad_amax(pending, fold_state, history, scale, fmt, recipe):
     one already folded (a skipped fp16 step never overwrites `pending`; a
     layer called twice in a step folds once). A changed fp16 loss scale first
     rescales the history and the scale by `loss_scale / last_loss_scale`
-    (powers of two: exact). A fresh, positive, finite amax is recorded; under
+    (powers of two: exact; the scale no lower than `MIN_SCALE`). A fresh,
+    positive, finite amax is recorded; under
     delayed scaling the scale follows the window.
 
     Returns:
@@ -222,7 +235,7 @@ def fold_pending_grad_amax(pending, fold_state, history, scale, fmt, recipe):
         1.0,
     )
     history = ops.multiply(history, rescale)
-    scale = ops.multiply(scale, rescale)
+    scale = ops.maximum(ops.multiply(scale, rescale), _float32_constant(MIN_SCALE))
     new_last_loss_scale = ops.where(ops.greater(loss_scale, 0.0), loss_scale, last_loss_scale)
     fresh = ops.logical_and(ops.greater(token, 0.0), ops.not_equal(token, last_token))
     new_history = ops.where(fresh, record_amax(history, amax, skip_zero=True), history)

@@ -93,21 +93,40 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 variable.assign(_retag(variable.value, old_scale, new_scale))
 
 
+def _computes_fp8_in_float16(model):
+    """Whether `model` (or a layer in it) runs FP8 layers in float16: its own
+    policy is an FP8 float16 policy, or an FP8 layer's is (`convert` with
+    `policy="fp8_hybrid_float16"` leaves the model's own policy as it was)."""
+    def fp8_float16(policy):
+        return isinstance(policy, policy_lib.FP8DTypePolicy) and policy.compute_dtype == "float16"
+
+    if fp8_float16(model.dtype_policy):
+        return True
+    return any(
+        hasattr(layer, "fp8_state_variables") and fp8_float16(layer.dtype_policy)
+        for layer in compat.sublayers(model)
+    )
+
+
 def _with_fp8_loss_scaling(model, optimizer, auto_scale_loss):
-    """The optimizer `compile` gets: wrapped in `LossScaleOptimizer` for the
-    FP8 float16 policies (as Keras wraps it for `"mixed_float16"`)."""
-    policy = model.dtype_policy
-    if (
-        auto_scale_loss
-        and isinstance(policy, policy_lib.FP8DTypePolicy)
-        and policy.compute_dtype == "float16"
-    ):
-        optimizer = keras.optimizers.get(optimizer)
-        if optimizer is not None and not isinstance(
-            optimizer, keras.optimizers.LossScaleOptimizer
-        ):
-            optimizer = LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
-    return optimizer
+    """The optimizer `compile` gets: wrapped in keras_fp8's `LossScaleOptimizer`
+    where FP8 layers compute in float16 (as Keras wraps it for
+    `"mixed_float16"`); Keras's own `LossScaleOptimizer` given by the user is
+    re-wrapped with the same settings (it would not rescale the FP8 gradient
+    state)."""
+    if not auto_scale_loss or not _computes_fp8_in_float16(model):
+        return optimizer
+    optimizer = keras.optimizers.get(optimizer)
+    if optimizer is None or isinstance(optimizer, LossScaleOptimizer):
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return LossScaleOptimizer(
+            optimizer.inner_optimizer,
+            initial_scale=optimizer.initial_scale,
+            dynamic_growth_steps=optimizer.dynamic_growth_steps,
+            name=optimizer.name,
+        )
+    return LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
 
 
 def register():

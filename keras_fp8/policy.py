@@ -38,10 +38,12 @@ _PREFIX = "fp8"
 
 
 def is_fp8_policy_name(name):
-    """True for names keras_fp8 owns: `"fp8"` and anything starting `"fp8_"`."""
-    return isinstance(name, str) and (
-        name == _PREFIX or name.startswith(_PREFIX + "_")
-    )
+    """True for names keras_fp8 owns: `"fp8"` and anything starting `"fp8_"`
+    or `"fp8["`, in any case."""
+    if not isinstance(name, str):
+        return False
+    name = name.lower()
+    return name == _PREFIX or name.startswith((_PREFIX + "_", _PREFIX + "["))
 
 
 def _format_value(value):
@@ -71,6 +73,7 @@ def _parse_value(key, text):
 def _decode_name(name):
     """Splits `"fp8_hybrid[history_len=16]"` into its base and its recipe."""
     base, _, settings = name.partition("[")
+    base = base.strip().lower()
     if base not in POLICY_NAMES:
         raise ValueError(
             f"Unknown FP8 dtype policy name {name!r}. Valid names: "
@@ -87,6 +90,7 @@ def _decode_name(name):
                 f"Malformed FP8 dtype policy name {name!r}: expected settings "
                 "of the form '[key=value,...]'."
             )
+        seen = set()
         for item in filter(None, settings[:-1].split(",")):
             key, sep, text = item.partition("=")
             if not sep:
@@ -95,6 +99,12 @@ def _decode_name(name):
                     f"{name!r}: expected 'key=value'."
                 )
             key = key.strip()
+            if key in seen:
+                raise ValueError(
+                    f"Duplicate setting {key!r} in FP8 dtype policy name "
+                    f"{name!r}: give each setting once."
+                )
+            seen.add(key)
             if key == "scaling":
                 scaling = text.strip()
                 continue
@@ -106,6 +116,7 @@ def _decode_name(name):
                         f"Invalid value {text!r} for 'min_gemm_size' in FP8 "
                         f"dtype policy name {name!r}: expected an integer."
                     ) from None
+                recipes.check_min_gemm_size(min_gemm_size)
                 continue
             try:
                 kwargs[key] = _parse_value(key, text.strip())

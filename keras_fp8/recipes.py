@@ -25,6 +25,11 @@ FP8_FORMATS = {
     "e4m3": (E4M3, E4M3),
 }
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# The window's amax maps to fmt_max / 2**margin; past 8 the top of E4M3 is
+# below 2 and the format no longer holds a tensor.
+MAX_MARGIN = 8.0
+# The longest amax history (2**20 entries: 4 MB per operand).
+MAX_HISTORY_LEN = 2**20
 
 
 def _check_fp8_format(fp8_format):
@@ -36,14 +41,15 @@ def _check_fp8_format(fp8_format):
 
 
 def _check_margin(margin):
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+    if (
+        isinstance(margin, bool)
+        or not isinstance(margin, (int, float))
+        or not 0 <= margin <= MAX_MARGIN
+    ):
         raise ValueError(
-            "Invalid `margin`. Expected a number >= 0. "
+            f"Invalid `margin`. Expected a number from 0 to {MAX_MARGIN:g} "
+            "(the window's amax maps to fmt_max / 2**margin). "
             f"Received: margin={margin!r}"
-        )
-    if not margin >= 0:
-        raise ValueError(
-            f"Invalid `margin`. Expected a number >= 0. Received: margin={margin}"
         )
 
 
@@ -107,8 +113,10 @@ class DelayedScaling(Recipe):
     tensor before quantizing.
 
     Args:
-        history_len: Number of amaxes kept per operand. Must be >= 1.
-        margin: The scale is divided by `2**margin` (headroom). Must be >= 0.
+        history_len: Number of amaxes kept per operand, 1 to 2**20.
+        margin: Headroom, 0 to 8: the window's amax maps to
+            `fmt_max / 2**margin`, so a tensor whose amax grows by up to
+            `2**margin` over the window's still does not saturate.
         amax_compute_algo: `"max"` (max over the history) or `"most_recent"`
             (the newest entry).
         fp8_format: `"hybrid"` (E4M3 forward, E5M2 output gradient) or
@@ -132,10 +140,10 @@ class DelayedScaling(Recipe):
         if (
             isinstance(self.history_len, bool)
             or not isinstance(self.history_len, int)
-            or self.history_len <= 0
+            or not 1 <= self.history_len <= MAX_HISTORY_LEN
         ):
             raise ValueError(
-                "Invalid `history_len`. Expected an integer >= 1. "
+                f"Invalid `history_len`. Expected an integer from 1 to {MAX_HISTORY_LEN}. "
                 f"Received: history_len={self.history_len!r}"
             )
         _check_margin(self.margin)
@@ -158,7 +166,8 @@ class CurrentScaling(Recipe):
     still records the scale it used in its `{role}_scale` variable.
 
     Args:
-        margin: The scale is divided by `2**margin`. Must be >= 0.
+        margin: Headroom, 0 to 8: the tensor's amax maps to
+            `fmt_max / 2**margin`.
         fp8_format: `"hybrid"` or `"e4m3"`.
 
     Example:

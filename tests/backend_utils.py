@@ -43,8 +43,11 @@ def train_call_with_grads(layer, x, upstream):
         y = layer(xt, training=True)
         loss = (y.float() * keras.ops.convert_to_tensor(upstream, "float32")).sum()
         loss.backward()
+        # A variable outside the graph gets no gradient (None): zeros, as JAX
+        # gives it.
         grads = {
-            v.path: to_numpy(v.value.grad) for v in layer.trainable_variables
+            v.path: (np.zeros(v.shape, np.float32) if v.value.grad is None else to_numpy(v.value.grad))
+            for v in layer.trainable_variables
         }
         return to_numpy(y.detach()), to_numpy(xt.grad), grads
     if backend == "jax":

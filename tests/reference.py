@@ -9,9 +9,14 @@ FMT = {
 }
 
 
+MIN_SCALE = np.float32(2.0**-126)
+
+
 def quantize(x, scale, fmt):
     dtype, fmt_max = FMT[fmt]
-    scaled = np.asarray(x, np.float32) * (np.float32(1.0) / np.float32(scale))
+    x = np.asarray(x, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = np.where(np.isinf(x), np.float32(np.nan), x * (np.float32(1.0) / np.float32(scale)))
     return np.clip(scaled, -fmt_max, fmt_max).astype(dtype)
 
 
@@ -28,7 +33,7 @@ def compute_scale(window, prev, fmt, margin=0.0):
     if not np.isfinite(window) or window <= 0:
         return np.float32(prev)
     inverse_max = np.float32(1.0 / FMT[fmt][1])
-    return np.float32(window * inverse_max) * np.float32(2.0 ** -margin)
+    return np.maximum(np.float32(window * inverse_max), MIN_SCALE) * np.float32(2.0**margin)
 
 
 class DelayedOperand:

@@ -102,12 +102,15 @@ def check_options(fp8_format, scaling, amax_compute_algo):
 
 def _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout):
     """The Python path's argument checks (the C++ entry makes the same)."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        raise ValueError(f"x: expected a tensor of rank >= 2, got {getattr(x, 'shape', type(x))}")
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"x: expected a tensor of rank >= 2, got shape {tuple(x.shape)}")
     if x.dtype not in _FLOATS:
         raise TypeError(f"x: expected bfloat16, float16 or float32, got {x.dtype}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight: expected a 2-D tensor, got {getattr(weight, 'shape', type(weight))}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected a 2-D tensor, got shape {tuple(weight.shape)}")
     if weight.dtype not in _FLOATS:
         raise TypeError(f"weight: expected bfloat16, float16 or float32, got {weight.dtype}")
     if weight.device != x.device:
@@ -120,14 +123,28 @@ def _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weigh
         raise ValueError(f"weight: shape {tuple(weight.shape)} with weight_layout={weight_layout!r} does not match "
                          f"x's last dimension {x.shape[-1]}")
     n = weight.shape[1] if weight_layout == "in_out" else weight.shape[0]
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.device != x.device):
-        raise ValueError(f"bias: expected shape ({n},) on {x.device}, got {tuple(bias.shape)} on {bias.device}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != n
+                             or bias.device != x.device):
+        raise ValueError(f"bias: expected shape ({n},) on {x.device}, got {tuple(getattr(bias, 'shape', ()))} "
+                         f"on {getattr(bias, 'device', type(bias).__name__)}")
+    check_state(state, x.device)
+
+
+def check_state(state, device):
+    """Raises naming the field of ``state`` that is not a float32 tensor of
+    its shape on ``device``: scales one element of rank <= 1, histories
+    non-empty and 1-D."""
     if not isinstance(state, FP8LinearState):
         raise TypeError(f"state: expected an FP8LinearState, got {type(state).__name__}")
-    for name, t in zip(STATE_NAMES, state.tensors()):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != x.device:
-            raise ValueError(f"state.{name}: expected a float32 tensor on {x.device}, got "
-                             f"{getattr(t, 'dtype', type(t))} on {getattr(t, 'device', '?')}")
+    for i, (name, t) in enumerate(zip(STATE_NAMES, state.tensors())):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != device:
+            raise ValueError(f"state.{name}: expected a float32 tensor on {device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} on {getattr(t, 'device', '?')}")
+        if i % 2 == 0 and (t.dim() > 1 or t.numel() != 1):
+            raise ValueError(f"state.{name}: expected a scale of shape () or (1,), got {tuple(t.shape)}")
+        if i % 2 == 1 and (t.dim() != 1 or t.numel() < 1 or not t.is_contiguous()):
+            raise ValueError(f"state.{name}: expected a contiguous, non-empty 1-D history (H,), got "
+                             f"{tuple(t.shape)}")
 
 
 def _as_state(state):
@@ -183,7 +200,12 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.has_sink = sink is not None
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         autotune = config[-1]
-        ctx.save_for_backward(qxt, qw_bwd, sx, sw, grad_history, grad_scale)
+        ctx.save_for_backward(qxt, qw_bwd, sx, sw)
+        # The gradient state is state, updated in place by the backward: kept
+        # without saved-tensor version checks, so that a second backward
+        # through this node (retain_graph) finds it.
+        ctx.grad_state = (grad_history, grad_scale)
+        ctx.recorded = False
         # The bias is added in x's dtype (the GEMM's epilogue takes it so).
         return ops.gemm(qx, qw_fwd, sx, sw, None if bias is None else bias.to(x2d.dtype), x2d.dtype, True, autotune)
 
@@ -192,10 +214,15 @@ class _FP8LinearFunction(torch.autograd.Function):
         in_out, grad_dt, scaling, margin, algo, record_grad, autotune = ctx.config
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        qxt, qw_bwd, sx, sw, grad_history, grad_scale = ctx.saved_tensors
+        qxt, qw_bwd, sx, sw = ctx.saved_tensors
+        grad_history, grad_scale = ctx.grad_state
+        # One record per forward: a second backward through the same graph
+        # (retain_graph, two losses) quantizes with the state's scale.
+        record = record_grad and scaling == "delayed" and not ctx.recorded
+        ctx.recorded = True
         g2d = g.contiguous()
-        qg, qgt, sg, ga = _quantize(scaling, g2d, grad_history, grad_scale, grad_dt, margin, algo, need_dw,
-                                    record_grad and scaling == "delayed", need_dx)
+        qg, qgt, sg, ga = _quantize(scaling, g2d, grad_history, grad_scale, grad_dt, margin, algo, need_dw, record,
+                                    need_dx)
         dx = dw = db = dsink = None
         if need_dx:
             dx = ops.gemm(qg, qw_bwd, sg, sw, None, x_dtype, False, autotune)
@@ -207,6 +234,14 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.has_sink:
             dsink = torch.where(torch.isfinite(ga), ga, torch.zeros_like(ga))
         return dx, dw, db, dsink, None, None, None, None, None, None, None, None, None
+
+
+def _recomputing() -> bool:
+    """True inside a backward pass, where activation checkpointing
+    (``torch.utils.checkpoint``) recomputes forwards: such a forward must not
+    record its amaxes a second time (it quantizes with the state's scales).
+    Under torch.compile the partitioner never recomputes a mutating op."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _python_fp8_linear(x, weight, bias, state, fp8_format, scaling, margin, algo, weight_layout, training, sink):
@@ -224,7 +259,7 @@ def _python_fp8_linear(x, weight, bias, state, fp8_format, scaling, margin, algo
     if not wd.is_contiguous():
         wd = wd.contiguous()
     fwd_dt, grad_dt = ref.FP8_FORMATS[fp8_format]
-    record = bool(training)
+    record = bool(training) and not _recomputing()
     s = state
     qx, qxt, sx, _ = _quantize(scaling, x2d.detach(), s.input_amax_history, s.input_scale, fwd_dt, margin, algo,
                                need_dw, record, True)
@@ -236,7 +271,7 @@ def _python_fp8_linear(x, weight, bias, state, fp8_format, scaling, margin, algo
     needs_graph = grad_on and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
                                or sink is not None)
     if needs_graph:
-        config = (in_out, grad_dt, scaling, float(margin), algo, record and sink is None, autotune)
+        config = (in_out, grad_dt, scaling, float(margin), algo, bool(training) and sink is None, autotune)
         out = _FP8LinearFunction.apply(x2d, weight, bias, sink, qx, qw_fwd, sx, sw, qxt, qw_bwd,
                                        s.grad_amax_history, s.grad_scale, config)
     else:
@@ -343,6 +378,7 @@ def fp8_linear(
     >>> y.shape
     torch.Size([8, 64])
     """
+    settings_lib.check_min_gemm_size(min_gemm_size)
     ext = _eager_entry(x, weight)
     kernels = ext is not None or (isinstance(x, torch.Tensor) and extension.kernels_for(x) is not None)
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 1 \
@@ -352,8 +388,8 @@ def fp8_linear(
     if ext is not None and type(state) is FP8LinearState:
         args = _entry_args(fp8_format, scaling, margin, amax_compute_algo, weight_layout)
         if args is not None:
-            out = _call_entry(ext.linear, x, weight, bias, state.tensors(), *args, bool(training), None,
-                              settings_lib.get_settings().gemm_autotune)
+            out = _call_entry(ext.linear, x, weight, bias, state.tensors(), *args, bool(training),
+                              not _recomputing(), None, settings_lib.get_settings().gemm_autotune)
             if out is not None:
                 return out
     _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout)
@@ -477,6 +513,7 @@ def fp8_linear_folded(
     Returns:
         ``(..., N)`` in x's dtype.
     """
+    settings_lib.check_min_gemm_size(min_gemm_size)
     ext = _eager_entry(x, weight)
     kernels = ext is not None or (isinstance(x, torch.Tensor) and extension.kernels_for(x) is not None)
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 1 \
@@ -489,7 +526,7 @@ def fp8_linear_folded(
         if args is not None:
             tensors = state.tensors() if type(state) is FP8LinearState else state
             out = _call_entry(ext.linear_folded, x, weight, bias, pending, fold_state, tensors, *args,
-                              0 if window is None else int(window), bool(training),
+                              0 if window is None else int(window), bool(training), not _recomputing(),
                               settings_lib.get_settings().gemm_autotune)
             if out is not None:
                 return out

@@ -34,6 +34,12 @@ FP8_FORMATS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # Fold counts wrap here, so that fold tokens stay exact in float32.
 FOLD_COUNT_PERIOD = 2.0**20
+# The smallest scale before the margin: the smallest normal float32 (its
+# reciprocal is finite; nothing subnormal that a flushing backend rounds
+# differently).
+MIN_SCALE = 2.0**-126
+# Largest margin: the window's amax maps to fmt_max / 2**margin.
+MAX_MARGIN = 8.0
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -58,8 +64,8 @@ def f32(value: float) -> float:
 
 
 def margin_multiplier(margin: float) -> float:
-    """``2**-margin`` rounded to float32: the factor scales are multiplied by."""
-    return f32(2.0 ** -float(margin))
+    """``2**margin`` rounded to float32: the factor scales are multiplied by."""
+    return f32(2.0 ** float(margin))
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:
@@ -76,27 +82,31 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """``q = cast_RNE(clamp(float32(x) * (1 / scale), -max, max))``; NaN stays NaN.
+    """``q = cast_RNE(clamp(float32(x) * (1 / scale), -max, max))``; a
+    non-finite element (NaN, +-inf) quantizes to NaN.
 
     A correctly rounded reciprocal, then a product: XLA rewrites ``x / scale``
     into exactly this, so every backend agrees bit for bit. The clamp makes
     the cast saturate (ml_dtypes and XLA turn E4M3 overflow into NaN, every
-    backend turns E5M2 overflow into inf).
+    backend turns E5M2 overflow into inf); an inf input must not saturate
+    into a finite value, so it becomes NaN first.
     """
     m = fp8_max(fp8_dtype)
-    y = x.detach().to(torch.float32) * (1.0 / _scalar(scale))
-    # torch.clamp keeps NaN and maps +-inf to +-max; the cast itself is RNE.
+    xf = x.detach().to(torch.float32)
+    y = torch.where(torch.isinf(xf), float("nan"), xf * (1.0 / _scalar(scale)))
+    # torch.clamp keeps NaN; the cast itself is RNE.
     return y.clamp(-m, m).to(fp8_dtype)
 
 
 def compute_scale(window: torch.Tensor, prev: torch.Tensor, fp8_dtype: torch.dtype,
                   margin: float = 0.0) -> torch.Tensor:
-    """The scale for an amax window: ``(window * f32(1/max)) * f32(2**-margin)``.
+    """The scale for an amax window: ``max(window * f32(1/max), MIN_SCALE) *
+    f32(2**margin)``: the window maps to ``max / 2**margin``.
 
     Where ``window`` is not finite or not positive, ``prev`` is kept.
     """
     w = _scalar(window)
-    new = (w * f32(1.0 / fp8_max(fp8_dtype))) * margin_multiplier(margin)
+    new = torch.clamp_min(w * f32(1.0 / fp8_max(fp8_dtype)), MIN_SCALE) * margin_multiplier(margin)
     return torch.where(torch.isfinite(w) & (w > 0), new, _scalar(prev))
 
 
@@ -186,7 +196,8 @@ def fold_pending_grad_amax(pending: torch.Tensor, fold_state: torch.Tensor, amax
     through the gradient channel; ``fold_state = [folds, last_token,
     last_loss_scale]`` tells a fresh value (token > 0 and new) from one already
     folded. A changed fp16 loss scale first rescales the history and the scale
-    by ``loss_scale / last_loss_scale`` (powers of two: exact). A fresh, finite,
+    by ``loss_scale / last_loss_scale`` (powers of two: exact; the scale no
+    lower than ``MIN_SCALE``). A fresh, finite,
     positive amax is recorded; the scale then follows the window (delayed
     scaling, ``update_scale``).
 
@@ -203,7 +214,7 @@ def fold_pending_grad_amax(pending: torch.Tensor, fold_state: torch.Tensor, amax
         torch.ones_like(loss_scale),
     )
     amax_history.mul_(rescale)
-    scale.mul_(rescale)
+    scale.copy_(torch.clamp_min(scale * rescale, MIN_SCALE))
     fresh = (token > 0) & (token != last_token)
     ok = fresh & torch.isfinite(amax_value) & (amax_value > 0)
     amax_history.copy_(torch.where(ok, shifted(amax_history, amax_value), amax_history))
@@ -236,7 +247,8 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
 
 
 def check_margin(margin) -> float:
-    """Returns ``margin`` as a float; raises unless it is a finite number >= 0."""
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
-        raise ValueError(f"margin: expected a finite number >= 0, got {margin!r}")
+    """Returns ``margin`` as a float; raises unless it is a number in [0, MAX_MARGIN]."""
+    if (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin)
+            or not 0 <= margin <= MAX_MARGIN):
+        raise ValueError(f"margin: expected a number from 0 to {MAX_MARGIN:g}, got {margin!r}")
     return float(margin)

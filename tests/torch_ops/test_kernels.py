@@ -89,7 +89,7 @@ class QuantizeKernelTest(parameterized.TestCase):
         # flat (no transpose), the tile kernels (ragged; 8-column aligned) and the lean kernels (64-multiples)
         shape=[(4097, 129), (1000, 136), (256, 512)],
         in_dtype=[torch.bfloat16, torch.float32],
-        magnitude=[1e-30, 1e-3, 1e4, 1e30],
+        magnitude=[1e-40, 1e-30, 1e-3, 1e4, 1e30],
         transpose=[False, True],
     )
     def test_tiny_and_huge_magnitudes(self, shape, in_dtype, magnitude, transpose):
@@ -105,6 +105,21 @@ class QuantizeKernelTest(parameterized.TestCase):
             if transpose:
                 assert_same_fp8(qt, rqt)
             assert_same_f32(amax, ramax)
+
+    @parameterized.product(shape=[(96, 40), (256, 512)], magnitude=[1e-43, 1e-39, 1e-37, 1e30],
+                           algo=["max", "most_recent"], margin=[0.0, 3.0])
+    def test_delayed_state_with_tiny_and_subnormal_amaxes(self, shape, magnitude, algo, margin):
+        """Seeds and records from subnormal, tiny and huge amaxes: the scale
+        floor (2**-126 before the margin) and the bytes as the reference."""
+        h, s = torch.zeros(8, device=DEV), torch.ones((), device=DEV)
+        rh, rs = h.clone(), s.clone()
+        for k in range(3):
+            x = rand(shape, torch.float32, scale=magnitude * (k + 1), special=False, seed=70 + k)
+            poison()
+            got = torch_ops.quantize_delayed(x, h, s, E4M3, margin=margin, amax_compute_algo=algo, transpose=True)
+            want = ref_delayed(x, rh, rs, E4M3, margin=margin, amax_compute_algo=algo, transpose=True)
+            assert_same_delayed(got, want, (h, s), (rh, rs))
+        self.assertGreaterEqual(float(s), ref.MIN_SCALE)
 
     @parameterized.product(dt=[E4M3, E5M2], transpose=[False, True], shape=[(17, 33), (4095, 129), (64, 128)])
     def test_padded_layout(self, dt, transpose, shape):

@@ -29,8 +29,9 @@ def _special(x: torch.Tensor) -> torch.Tensor:
 
 def _numpy_quantize(x: np.ndarray, scale, dt) -> np.ndarray:
     m = F32(MAX[dt])
-    y = (x.astype(F32) * (F32(1.0) / F32(scale))).astype(F32)
-    with np.errstate(invalid="ignore"):
+    x = x.astype(F32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = np.where(np.isinf(x), F32(np.nan), (x * (F32(1.0) / F32(scale))).astype(F32))
         y = np.where(np.isnan(y), y, np.clip(y, -m, m))
     return y.astype(NP[dt])
 
@@ -39,7 +40,7 @@ def _numpy_scale(window, prev, dt, margin=0.0):
     window = F32(window)
     if not np.isfinite(window) or window <= 0:
         return F32(prev)
-    return F32(F32(window * F32(1.0 / MAX[dt])) * F32(2.0 ** -margin))
+    return F32(max(F32(window * F32(1.0 / MAX[dt])), F32(2.0**-126)) * F32(2.0**margin))
 
 
 class QuantizeTest(parameterized.TestCase):
@@ -58,11 +59,12 @@ class QuantizeTest(parameterized.TestCase):
         self.assertTrue(torch.isnan(ref.amax(x)))
 
     @parameterized.parameters(E4M3, E5M2)
-    def test_saturation_and_inf(self, dt):
-        x = torch.tensor([1e30, -1e30, float("inf"), float("-inf"), MAX[dt] * 1.06, 0.0])
+    def test_saturation_and_non_finite(self, dt):
+        x = torch.tensor([1e30, -1e30, MAX[dt] * 1.06, 0.0, float("inf"), float("-inf"), float("nan")])
         q = ref.quantize_with_scale(x, torch.tensor(1.0), dt).float()
         m = MAX[dt]
-        self.assertEqual(q.tolist(), [m, -m, m, -m, m, 0.0])
+        self.assertEqual(q[:4].tolist(), [m, -m, m, 0.0])
+        self.assertTrue(bool(torch.isnan(q[4:]).all()))  # non-finite stays non-finite
 
     def test_amax_propagates(self):
         self.assertEqual(ref.amax(torch.tensor([1.0, -3.0])).item(), 3.0)
@@ -70,12 +72,12 @@ class QuantizeTest(parameterized.TestCase):
         self.assertTrue(torch.isnan(ref.amax(torch.tensor([float("inf"), float("nan")]))))
         self.assertEqual(ref.amax(torch.zeros(0)).item(), 0.0)
 
-    @parameterized.product(dt=[E4M3, E5M2], margin=[0.0, 1.0, 2.5])
+    @parameterized.product(dt=[E4M3, E5M2], margin=[0.0, 1.0, 2.5, 8.0])
     def test_compute_scale(self, dt, margin):
         prev = torch.tensor(0.5)
         for w in (0.0, float("inf"), float("nan"), -1.0):
             self.assertEqual(ref.compute_scale(torch.tensor(w), prev, dt, margin).item(), 0.5)
-        for w in (3.3, 1e-30, 1e30, 448.0):
+        for w in (3.3, 1e-30, 1e-37, 1e-40, 1e-45, 1e30, 3e38, 448.0):
             got = F32(ref.compute_scale(torch.tensor(w), prev, dt, margin=margin).item())
             self.assertEqual(got, _numpy_scale(w, 0.5, dt, margin))
 
@@ -167,10 +169,11 @@ def numpy_fold(pending, fold_state, history, scale, fmt_max, margin, algo, windo
     fresh = token > 0 and token != last_token
     if fresh and np.isfinite(amax) and amax > 0:
         history = np.concatenate([[amax], history[:-1]]).astype(F32)
+    scale = max(scale, F32(2.0**-126))
     if update_scale:
         w = history[0] if algo == "most_recent" else history[:window].max()
         if fresh and np.isfinite(w) and w > 0:
-            scale = F32(F32(w * F32(1.0 / fmt_max)) * F32(2.0 ** -margin))
+            scale = F32(max(F32(w * F32(1.0 / fmt_max)), F32(2.0**-126)) * F32(2.0**margin))
     new_folds = F32((folds + 1) % ref.FOLD_COUNT_PERIOD) if fresh else folds
     state = np.array(
         [new_folds, token if fresh else last_token, loss_scale if loss_scale > 0 else last_loss_scale], F32)
@@ -186,7 +189,8 @@ def random_fold_case(rng, H):
     last_ls = F32(rng.choice([0.0, 2.0 ** rng.integers(-2, 16)]))
     ls = F32(rng.choice([0.0, last_ls, 2.0 ** rng.integers(-2, 16)]))
     folds = F32(rng.choice([0.0, 3.0, ref.FOLD_COUNT_PERIOD - 1]))
-    scale = F32(rng.random() * 0.01 + 1e-6)
+    scale = F32(rng.choice([rng.random() * 0.01 + 1e-6, 2.0**-125]))  # the floor reached by a 1/4 rescale
+    amax = F32(rng.choice([amax, 1e-39]))  # a subnormal amax now and then
     return [amax, token, ls], [folds, last_token, last_ls], history, scale
 
 
