@@ -1,5 +1,6 @@
 """The policy-level autocast scope."""
 
+import pytest
 import threading
 
 import keras
@@ -11,6 +12,10 @@ from keras_fp8.autocast import current
 from keras_fp8.layers import FP8Dense
 from tests.backend_utils import rng_normal
 from tests.backend_utils import to_numpy
+
+
+# FP8 numerics at test sizes, on every device (conftest.py).
+pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
 
 
 class AutocastTest(parameterized.TestCase):

@@ -1,6 +1,7 @@
 """keras_fp8.convert: in-place conversion of built models to FP8 layers."""
 
 import os
+import pytest
 import tempfile
 import warnings
 
@@ -13,6 +14,10 @@ from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from tests.backend_utils import rng_normal
 from tests.backend_utils import to_numpy
+
+# FP8 numerics at test sizes, on every device (conftest.py).
+pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
+
 
 _POLICY = "fp8_hybrid[history_len=8]"
 

@@ -3,6 +3,7 @@
 import keras
 import ml_dtypes
 import numpy as np
+import pytest
 from absl.testing import parameterized
 
 import keras_fp8
@@ -15,6 +16,10 @@ from tests.backend_utils import rng_normal
 from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
 from tests.backend_utils import train_call_with_grads
+
+# FP8 numerics at test sizes, on every device (conftest.py).
+pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
+
 
 _BF16 = ml_dtypes.bfloat16
 

@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import pytest
 from absl.testing import parameterized
 
 import keras_fp8
@@ -9,6 +10,10 @@ from keras_fp8.layers import FP8EinsumDense
 from tests.backend_utils import rng_normal
 from tests.backend_utils import to_numpy
 from tests.backend_utils import train_call_with_grads
+
+
+# FP8 numerics at test sizes, on every device (conftest.py).
+pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
 
 
 class FP8EinsumDenseTest(parameterized.TestCase):

@@ -12,9 +12,9 @@ from tests.backend_utils import rng_normal
 from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.usefixtures("fp8_at_every_size"), pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX backend only"
-)
+)]
 
 
 def _model():

@@ -1,6 +1,7 @@
 """FP8 dtype policies: registration, names, and non-FP8 layers under them."""
 
 import os
+import pytest
 import tempfile
 
 import keras
@@ -11,6 +12,10 @@ import keras_fp8
 from keras_fp8.layers import FP8Dense
 from tests.backend_utils import rng_normal
 from tests.backend_utils import to_numpy
+
+
+# FP8 numerics at test sizes, on every device (conftest.py).
+pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
 
 
 class PolicyNameTest(parameterized.TestCase):

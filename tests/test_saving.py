@@ -1,6 +1,7 @@
 """Saving and loading: .keras round trips, resumed training, other backends."""
 
 import os
+import pytest
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,10 @@ from tests.backend_utils import rng_normal
 from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
 
+
+
+# FP8 numerics at test sizes, on every device (conftest.py).
+pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
 
 
 def make_model():

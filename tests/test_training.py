@@ -3,6 +3,7 @@
 import keras
 import ml_dtypes
 import numpy as np
+import pytest
 from absl.testing import parameterized
 
 from keras_fp8 import demo
@@ -10,6 +11,10 @@ from keras_fp8.layers import FP8Dense
 from tests import reference
 from tests.backend_utils import rng_normal
 from tests.backend_utils import to_numpy
+
+
+# FP8 numerics at test sizes, on every device (conftest.py).
+pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
 
 
 class _Recorder(keras.callbacks.Callback):

@@ -388,8 +388,10 @@ def fp8_linear(
     if ext is not None and type(state) is FP8LinearState:
         args = _entry_args(fp8_format, scaling, margin, amax_compute_algo, weight_layout)
         if args is not None:
-            out = _call_entry(ext.linear, x, weight, bias, state.tensors(), *args, bool(training),
-                              not _recomputing(), None, settings_lib.get_settings().gemm_autotune)
+            grad_fmt, scaling_id, multiplier, algo, in_out = args
+            out = _call_entry(ext.linear, x, weight, bias, list(state.tensors()), grad_fmt, scaling_id, multiplier,
+                              algo, in_out, bool(training), not _recomputing(), None,
+                              settings_lib.get_settings().gemm_autotune)
             if out is not None:
                 return out
     _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout)
@@ -524,10 +526,11 @@ def fp8_linear_folded(
     if ext is not None and (window is None or window >= 1):
         args = _entry_args(fp8_format, scaling, margin, amax_compute_algo, weight_layout)
         if args is not None:
-            tensors = state.tensors() if type(state) is FP8LinearState else state
-            out = _call_entry(ext.linear_folded, x, weight, bias, pending, fold_state, tensors, *args,
-                              0 if window is None else int(window), bool(training), not _recomputing(),
-                              settings_lib.get_settings().gemm_autotune)
+            tensors = list(state.tensors() if type(state) is FP8LinearState else state)
+            grad_fmt, scaling_id, multiplier, algo, in_out = args
+            out = _call_entry(ext.linear_folded, x, weight, bias, pending, fold_state, tensors, grad_fmt, scaling_id,
+                              multiplier, algo, 0 if window is None else int(window), in_out, bool(training),
+                              not _recomputing(), settings_lib.get_settings().gemm_autotune)
             if out is not None:
                 return out
     check_channel(pending, fold_state)

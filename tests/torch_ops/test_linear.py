@@ -288,6 +288,37 @@ class GpuLinearTest(parameterized.TestCase):
         for u, v in zip(*results):
             self.assertTrue(torch.equal(u, v))
 
+    def test_the_eager_entry_serves_plain_cuda_tensors(self):
+        """fp8_linear and fp8_linear_folded on plain CUDA tensors are one C++
+        call each (an argument mismatch would fall back to Python silently)."""
+        from torch_ops import extension
+
+        ext = extension.kernels_for(torch.zeros(1, device="cuda"))
+        served = []
+
+        def spy(name):
+            original = getattr(ext, name)
+
+            def call(*args):
+                out = original(*args)
+                served.append((name, out is not None))
+                return out
+
+            return call
+
+        x, w, b, gy = make(64, 32, 16)
+        with mock.patch.object(ext, "linear", spy("linear")), \
+                mock.patch.object(ext, "linear_folded", spy("linear_folded")):
+            run_linear(torch_ops.fp8_linear, x, w, b, gy, torch_ops.FP8LinearState.create(4, device="cuda"),
+                       min_gemm_size=0)
+            pending = torch.zeros(3, device="cuda", requires_grad=True)
+            y = torch_ops.fp8_linear_folded(x, w.t().contiguous(), b, state=torch_ops.FP8LinearState.create(
+                4, device="cuda"), pending=pending, fold_state=torch.zeros(3, device="cuda"),
+                weight_layout="in_out", window=4, min_gemm_size=0)
+            y.backward(gy)
+        self.assertEqual(served, [("linear", True), ("linear_folded", True)])
+        self.assertEqual(float(pending.grad[1]), 1.0)  # the token of the first fold
+
     @parameterized.parameters(True, False)
     def test_cuda_graph_replay_equals_eager(self, bias):
         x, w, b, gy = make(512, 256, 384, bias=bias)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU test run: builds the torch_ops kernels, then runs the test suite
+# with TORCH_OPS_REQUIRE_KERNELS=1 (a kernel build that fails fails the
+# tests), one log per part under LOG_DIR.
+#
+#   bash tools/gpu_tests.sh LOG_DIR [torch|keras-torch|keras-jax|all]
+set -uo pipefail
+log_dir=${1:?usage: gpu_tests.sh LOG_DIR [part]}
+part=${2:-all}
+mkdir -p "$log_dir"
+export PYTHONUNBUFFERED=1 TORCH_OPS_REQUIRE_KERNELS=1
+python3 - <<'PY' | tee "$log_dir/env.txt"
+import platform, subprocess
+import torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip())
+for name in ("jax", "keras", "torchao", "transformer_engine"):
+    try:
+        print(name, __import__(name).__version__)
+    except Exception as e:  # noqa: BLE001
+        print(name, "not importable:", type(e).__name__)
+PY
+start=$(date +%s)
+python3 -m torch_ops build > "$log_dir/build.txt" 2>&1
+echo "build rc=$? in $(( $(date +%s) - start )) s" | tee -a "$log_dir/build.txt"
+run() {  # run NAME SECONDS BACKEND PYTEST_ARGS...
+  local name=$1 limit=$2 backend=$3; shift 3
+  local t0; t0=$(date +%s)
+  KERAS_BACKEND=$backend timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 "$@" \
+    > "$log_dir/$name.txt" 2>&1
+  echo "$name rc=$? in $(( $(date +%s) - t0 )) s: $(tail -n 1 "$log_dir/$name.txt")" | tee -a "$log_dir/summary.txt"
+}
+case $part in
+  torch|all) run torch_ops 420 torch tests/torch_ops tests/test_torch_backend.py tests/test_bad_input.py ;;&
+  keras-torch|all) run keras_torch 300 torch tests --ignore=tests/torch_ops --ignore=tests/test_torch_backend.py \
+      --ignore=tests/test_bad_input.py ;;&
+  keras-jax|all) run keras_jax 300 jax tests --ignore=tests/torch_ops ;;
+esac
