@@ -72,16 +72,36 @@ def assert_same_f32(got, want):
     assert bool(same.all()), f"{got} vs {want}"
 
 
-def assert_close(got, want, rtol, atol_fraction=1e-2, msg=""):
-    """Element by element: |got - want| <= atol + rtol * |want|, with atol a
-    fraction of want's largest magnitude (products of random data cancel)."""
+def assert_close(got, want, rtol, atol_fraction=1e-2, msg="", atol=None):
+    """Element by element: |got - want| <= atol + rtol * |want|. atol: given,
+    or a fraction of want's largest magnitude (products of random data cancel)."""
     got, want = got.detach().double().cpu(), want.detach().double().cpu()
     assert got.shape == want.shape, (msg, got.shape, want.shape)
     assert not bool(torch.isnan(got).any()), f"{msg}: NaN"
-    atol = atol_fraction * rtol * float(want.abs().max().clamp_min(1e-30))
+    if atol is None:
+        atol = atol_fraction * rtol * float(want.abs().max().clamp_min(1e-30))
     bad = (got - want).abs() > atol + rtol * want.abs()
     assert int(bad.sum()) == 0, (f"{msg}: {int(bad.sum())} of {want.numel()} elements beyond "
                                  f"{atol:.3g} + {rtol} |want|; worst {float((got - want).abs().max()):.4g}")
+
+
+# One rounding to each output dtype (relative).
+OUTPUT_RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-12}
+
+
+def assert_gemm_close(got, want, out_dtype, fast, msg=""):
+    """An FP8 GEMM against the float32 reference, element by element. The
+    FP8 tensor cores accumulate with about 14 bits of precision between
+    promotions, so the error of a sum grows with the sum's typical size, not
+    with its own (a near-zero element of large terms): the absolute part is
+    relative to want's root mean square, 2**-5 of it with cuBLASLt's fast
+    accumulation (no promotion) and 2**-9 with split accumulation; the
+    relative part is the output dtype's one rounding. (On the H200 the
+    largest deviations seen: 2**-6 of the rms fast, 2**-11 split.)"""
+    want64 = want.detach().double()
+    rms = float(want64.square().mean().sqrt().clamp_min(1e-30)) if want64.numel() else 0.0
+    atol = (2.0**-5 if fast else 2.0**-9) * rms
+    assert_close(got, want, OUTPUT_RTOL[out_dtype], msg=msg, atol=atol)
 
 
 def clone_state(state):
