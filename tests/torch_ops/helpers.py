@@ -96,8 +96,7 @@ def assert_gemm_close(got, want, out_dtype, fast, msg=""):
     with its own (a near-zero element of large terms): the absolute part is
     relative to want's root mean square, 2**-5 of it with cuBLASLt's fast
     accumulation (no promotion) and 2**-9 with split accumulation; the
-    relative part is the output dtype's one rounding. (On the H200 the
-    largest deviations seen: 2**-6 of the rms fast, 2**-11 split.)"""
+    relative part is the output dtype's one rounding."""
     want64 = want.detach().double()
     rms = float(want64.square().mean().sqrt().clamp_min(1e-30)) if want64.numel() else 0.0
     atol = (2.0**-5 if fast else 2.0**-9) * rms
