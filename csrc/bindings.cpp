@@ -114,6 +114,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_folded", &torch_ops::linear_folded,
         "x, weight, bias, pending, fold_state, state[6], grad_fmt, scaling, mdiv, algo, window, in_out, training, "
         "record_inputs, autotune -> out (None: a tensor is not plain)");
+  m.def("quantize_tiles", &torch_ops::quantize_tiles,
+        "x, fmt, transposed, mult, power_of_two -> (q, scales): 1 x 128 tiles of x's rows (or columns, transposed)");
+  m.def("quantize_blocks", &torch_ops::quantize_blocks,
+        "w, fmt, mult, power_of_two -> (q, q_t, scales): 128 x 128 blocks");
   m.def("fold_grad_amax", &torch_ops::fold_grad_amax,
         "pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale -> (token, scale, history)");
 }

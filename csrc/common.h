@@ -188,6 +188,19 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 bool stream_capturing(cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
+// block.cu: block-scaling quantize (torch_ops/reference.py's quantize_tiles,
+// quantize_blocks). `mult`: the margin's factor 2**margin.
+
+// Tiles of 128 along x's rows (transposed false: q (R, C), scales
+// (R, ceil(C/128))) or along its columns, written transposed (q (C, R),
+// scales (C, ceil(R/128))).
+std::tuple<at::Tensor, at::Tensor> quantize_tiles(const at::Tensor& x, int64_t fmt, bool transposed, double mult,
+                                                  bool power_of_two);
+// 128 x 128 blocks of w: (q (R, C), q_t (C, R), scales (ceil(R/128), ceil(C/128))).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& w, int64_t fmt, double mult,
+                                                               bool power_of_two);
+
+// ---------------------------------------------------------------------------
 // linear.cpp: the eager entry of torch_ops/linear.py (see there)
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,

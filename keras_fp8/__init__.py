@@ -61,6 +61,7 @@ from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from keras_fp8.policy import FP8DTypePolicy
 from keras_fp8.policy import POLICY_NAMES
+from keras_fp8.recipes import BlockScaling
 from keras_fp8.recipes import CurrentScaling
 from keras_fp8.recipes import DelayedScaling
 
@@ -74,6 +75,7 @@ optimizers.register()
 _backends.preload()
 
 __all__ = [
+    "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",
     "FP8DTypePolicy",

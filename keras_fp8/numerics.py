@@ -239,7 +239,7 @@ def fold_pending_grad_amax(pending, fold_state, history, scale, fmt, recipe):
     new_last_loss_scale = ops.where(ops.greater(loss_scale, 0.0), loss_scale, last_loss_scale)
     fresh = ops.logical_and(ops.greater(token, 0.0), ops.not_equal(token, last_token))
     new_history = ops.where(fresh, record_amax(history, amax, skip_zero=True), history)
-    if isinstance(recipe, recipes.CurrentScaling):
+    if not isinstance(recipe, recipes.DelayedScaling):
         new_scale = scale
     else:
         window = amax_window(new_history, recipe.amax_compute_algo, recipe.history_len)
@@ -299,6 +299,159 @@ def fp8_backward(grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_hi
     grad_q = quantize(grad, scale, fmt)
     dx = matmul(grad_q, ops.transpose(kernel_q), ops.multiply(scale, kernel_scale), x_dtype)
     dkernel = matmul(ops.transpose(x_q), grad_q, ops.multiply(x_scale, scale), kernel_dtype)
+    finite_amax = ops.where(ops.isfinite(amax), amax, ops.zeros_like(amax))
+    dpending = ops.stack([finite_amax, ops.cast(emit_token, "float32"), ops.zeros_like(amax)])
+    return dx, dkernel, dpending
+
+
+# --------------------------------------------------------------------------- block scaling
+# Block scaling (`recipes.BlockScaling`): a scale per 1 x 128 tile along the
+# contraction dimension for activations and output gradients, per 128 x 128
+# block for weights, from the tile's own values (no history).
+BLOCK = 128
+# Every power of two float32 holds, 2**-149 .. 2**127: exact, whatever a
+# backend's `log2` or `power` rounds.
+_POWERS_OF_TWO = np.array([2.0**e for e in range(-149, 128)], np.float32)
+
+
+def _power_of_two_ceil(s):
+    """The smallest power of two >= `s` (positive, finite), exactly: `log2`
+    proposes the exponent, a table of exact powers corrects it by one."""
+    table = ops.convert_to_tensor(_POWERS_OF_TWO)
+    last = len(_POWERS_OF_TWO) - 1
+    index = ops.clip(ops.cast(ops.ceil(ops.log2(s)), "int32") + 149, 1, last - 1)
+    p = ops.take(table, index)
+    lower = ops.take(table, index - 1)
+    p = ops.where(ops.greater_equal(lower, s), lower, p)
+    return ops.where(ops.less(p, s), ops.take(table, ops.minimum(index + 1, last)), p)
+
+
+def block_scale(amax, fmt, margin=0.0, power_of_two=False):
+    """The scale of each tile from its amax: `compute_scale`'s rule (the
+    floor, the margin), rounded up to a power of two with `power_of_two`; 1 for
+    a tile of zeros or with a non-finite value."""
+    amax = ops.cast(amax, "float32")
+    base = ops.maximum(ops.multiply(amax, inverse_format_max(fmt)), _float32_constant(MIN_SCALE))
+    scale = ops.multiply(base, margin_multiplier(margin))
+    if power_of_two:
+        scale = _power_of_two_ceil(scale)
+    return ops.where(is_usable_amax(amax), scale, ops.ones_like(scale))
+
+
+def _tiles(x2d, axis):
+    """`x2d` (float32) as (lines, tiles, BLOCK) tiles of BLOCK along `axis`
+    (zero padded), and the unpadded length."""
+    t = ops.cast(x2d, "float32")
+    if axis == 0:
+        t = ops.transpose(t)
+    lines, n = t.shape
+    tiles = -(-n // BLOCK)
+    if tiles * BLOCK != n:
+        t = ops.pad(t, ((0, 0), (0, tiles * BLOCK - n)))
+    return ops.reshape(t, (lines, tiles, BLOCK)), n
+
+
+def _quantize_scaled(t, scales, fmt):
+    fmt_max = recipes.FORMAT_MAX[fmt]
+    scaled = ops.where(ops.isinf(t), float("nan"), ops.multiply(t, reciprocal(scales)))
+    return ops.cast(ops.clip(scaled, -fmt_max, fmt_max), recipes.FORMAT_DTYPE[fmt])
+
+
+def quantize_tiles(x2d, fmt, axis=1, margin=0.0, power_of_two=False):
+    """Quantizes a 2-D tensor per tile of 128 along `axis` (1: 1 x 128 tiles
+    of each row; 0: 128 x 1 tiles of each column).
+
+    Returns:
+        `(q, scales)`: `q` shaped like `x2d`; float32 `scales` of shape
+        `(rows, ceil(cols / 128))` for axis 1, `(ceil(rows / 128), cols)`
+        for axis 0.
+    """
+    t, n = _tiles(x2d, axis)
+    scales = block_scale(ops.amax(ops.abs(t), axis=2), fmt, margin, power_of_two)
+    q = _quantize_scaled(t, ops.expand_dims(scales, -1), fmt)
+    q = ops.reshape(q, (t.shape[0], -1))[:, :n]
+    if axis == 0:
+        return ops.transpose(q), ops.transpose(scales)
+    return q, scales
+
+
+def quantize_blocks(w2d, fmt, margin=0.0, power_of_two=False):
+    """Quantizes a 2-D tensor per 128 x 128 block.
+
+    Returns:
+        `(q, scales)`: `q` shaped like `w2d`; float32 `scales` of shape
+        `(ceil(rows / 128), ceil(cols / 128))`.
+    """
+    w = ops.cast(w2d, "float32")
+    r, c = w.shape
+    rb, cb = -(-r // BLOCK), -(-c // BLOCK)
+    if (rb * BLOCK, cb * BLOCK) != (r, c):
+        w = ops.pad(w, ((0, rb * BLOCK - r), (0, cb * BLOCK - c)))
+    blocks = ops.transpose(ops.reshape(w, (rb, BLOCK, cb, BLOCK)), (0, 2, 1, 3))
+    scales = block_scale(ops.amax(ops.abs(blocks), axis=(2, 3)), fmt, margin, power_of_two)
+    q = _quantize_scaled(blocks, ops.reshape(scales, (rb, cb, 1, 1)), fmt)
+    q = ops.reshape(ops.transpose(q, (0, 2, 1, 3)), (rb * BLOCK, cb * BLOCK))[:r, :c]
+    return q, scales
+
+
+def block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_tiles=False):
+    """`a @ b` of block-scaled FP8 operands, each 128-long stretch of the
+    contraction summed in float32 and multiplied by its two scales.
+
+    Args:
+        a_q: `(M, K)` FP8, 1 x 128 tiles along K: `a_scales` `(M, ceil(K/128))`.
+        b_q: `(K, N)` FP8: 128 x 128 blocks (`b_scales` `(ceil(K/128),
+            ceil(N/128))`) or, with `b_tiles`, 128 x 1 tiles along K
+            (`b_scales` `(ceil(K/128), N)`).
+        out_dtype: Output dtype (one rounding, after the bias).
+        bias: Optional `(N,)`, added in float32.
+    """
+    k = a_q.shape[1]
+    n = b_q.shape[1]
+    a = ops.cast(a_q, "float32")
+    b = ops.cast(b_q, "float32")
+    out = None
+    for kb in range(-(-k // BLOCK)):
+        lo, hi = kb * BLOCK, min(k, (kb + 1) * BLOCK)
+        part = ops.matmul(a[:, lo:hi], b[lo:hi, :])
+        sb = b_scales[kb] if b_tiles else ops.repeat(b_scales[kb], BLOCK)[:n]
+        part = ops.multiply(ops.multiply(part, a_scales[:, kb:kb + 1]), ops.expand_dims(sb, 0))
+        out = part if out is None else ops.add(out, part)
+    if bias is not None:
+        out = ops.add(out, ops.cast(bias, "float32"))
+    return ops.cast(out, out_dtype)
+
+
+def block_forward(x, kernel, recipe, bias=None, matmul=block_matmul):
+    """The block-scaled forward: x in 1 x 128 tiles, the kernel in 128 x 128
+    blocks; also x's 128 x 1 tiles, for the kernel's gradient.
+
+    Returns:
+        `(y, residuals)` for `block_backward`.
+    """
+    fmt, margin, pow2 = recipe.forward_format, recipe.margin, recipe.power_of_two
+    x_q, x_s = quantize_tiles(x, fmt, 1, margin, pow2)
+    k_q, k_s = quantize_blocks(kernel, fmt, margin, pow2)
+    y = matmul(x_q, x_s, k_q, k_s, x.dtype, bias)
+    x_qc, x_sc = quantize_tiles(x, fmt, 0, margin, pow2)
+    return y, (x_qc, x_sc, k_q, k_s)
+
+
+def block_backward(grad, residuals, emit_token, recipe, x_dtype, kernel_dtype, matmul=block_matmul):
+    """The block-scaled backward: the output gradient in 1 x 128 tiles along
+    N for dX (against the kernel's blocks, transposed) and in 128 x 1 tiles
+    along M for dW (against x's).
+
+    Returns:
+        `(dx, dkernel, dpending)`, as `fp8_backward`.
+    """
+    x_qc, x_sc, k_q, k_s = residuals
+    fmt, margin, pow2 = recipe.backward_format, recipe.margin, recipe.power_of_two
+    g_q, g_s = quantize_tiles(grad, fmt, 1, margin, pow2)
+    dx = matmul(g_q, g_s, ops.transpose(k_q), ops.transpose(k_s), x_dtype)
+    g_qc, g_sc = quantize_tiles(grad, fmt, 0, margin, pow2)
+    dkernel = matmul(ops.transpose(x_qc), ops.transpose(x_sc), g_qc, g_sc, kernel_dtype, b_tiles=True)
+    amax = compute_amax(grad)
     finite_amax = ops.where(ops.isfinite(amax), amax, ops.zeros_like(amax))
     dpending = ops.stack([finite_amax, ops.cast(emit_token, "float32"), ops.zeros_like(amax)])
     return dx, dkernel, dpending

@@ -54,8 +54,8 @@ def _encode_recipe(recipe):
     """Encodes the non-default fields of `recipe` (fp8_format excluded)."""
     default = type(recipe)(fp8_format=recipe.fp8_format)
     items = []
-    if isinstance(recipe, recipes.CurrentScaling):
-        items.append("scaling=current")
+    if not isinstance(recipe, recipes.DelayedScaling):
+        items.append(f"scaling={recipe.name}")
     for key, value in recipe.get_config().items():
         if key != "fp8_format" and value != getattr(default, key):
             items.append(f"{key}={_format_value(value)}")
@@ -67,6 +67,10 @@ def _parse_value(key, text):
         return int(text)
     if key == "margin":
         return float(text)
+    if key == "power_of_two":
+        if text.lower() not in ("true", "false"):
+            raise ValueError(text)
+        return text.lower() == "true"
     return text
 
 

@@ -186,7 +186,51 @@ class CurrentScaling(Recipe):
         _check_fp8_format(self.fp8_format)
 
 
-RECIPES = {"delayed": DelayedScaling, "current": CurrentScaling}
+@register_keras_serializable(package="keras_fp8")
+@dataclasses.dataclass(frozen=True)
+class BlockScaling(Recipe):
+    """Block scaling: a scale per tile, from the tile's own values.
+
+    Activations and output gradients get one scale per 1 x 128 tile along
+    the contraction dimension, weights one per 128 x 128 block (DeepSeek-V3's
+    fine-grained recipe); no history. Finer scales follow outliers locally: a
+    large value saturates nothing outside its tile. The layers keep the
+    per-tensor state variables (histories of one entry) for a uniform
+    checkpoint layout; the tile scales are computed in every call and not
+    stored (docs/design.md, "State").
+
+    Args:
+        margin: Headroom, 0 to 8: each tile's amax maps to
+            `fmt_max / 2**margin`.
+        fp8_format: `"e4m3"` (E4M3 everywhere, the recipe's usual form) or
+            `"hybrid"` (E5M2 output gradients).
+        power_of_two: Round each scale up to a power of two (exact
+            multiplications; no saturation).
+
+    Example:
+
+    >>> BlockScaling(power_of_two=True).name
+    'block'
+    """
+
+    margin: float = 0.0
+    fp8_format: str = "e4m3"
+    power_of_two: bool = False
+
+    name = "block"
+    block_size = 128
+
+    def __post_init__(self):
+        _check_margin(self.margin)
+        _check_fp8_format(self.fp8_format)
+        if not isinstance(self.power_of_two, bool):
+            raise ValueError(
+                "Invalid `power_of_two`. Expected a bool. "
+                f"Received: power_of_two={self.power_of_two!r}"
+            )
+
+
+RECIPES = {"delayed": DelayedScaling, "current": CurrentScaling, "block": BlockScaling}
 
 
 def get(identifier):
@@ -194,7 +238,7 @@ def get(identifier):
 
     Args:
         identifier: A `Recipe`, `None` (the default `DelayedScaling()`), one of
-            `"delayed"`/`"current"`, or a dict as returned by
+            `"delayed"`/`"current"`/`"block"`, or a dict as returned by
             `keras.saving.serialize_keras_object(recipe)`.
 
     Returns:

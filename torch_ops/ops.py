@@ -180,6 +180,72 @@ def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, autotune):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
+# --------------------------------------------------------------------------- block scaling
+def _quantize_tiles(x: torch.Tensor, fp8_dtype: torch.dtype, transposed: bool, margin: float,
+                    power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 x 128 tiles of x's rows (q (R, C), scales (R, ceil(C/128))) or, with
+    ``transposed``, of x^T's rows, i.e. of x's columns (q (C, R), scales (C,
+    ceil(R/128)))."""
+    ext = extension.kernels_for(x)
+    if ext is not None:
+        return tuple(ext.quantize_tiles(x, _FMT_ID[fp8_dtype], transposed, ref.margin_multiplier(margin),
+                                        power_of_two))
+    return ref.quantize_tiles(x.t() if transposed else x, fp8_dtype, axis=1, margin=margin,
+                              power_of_two=power_of_two)
+
+
+quantize_tiles_op = torch.library.custom_op("torch_ops::quantize_tiles", mutates_args=())(_quantize_tiles)
+
+
+@quantize_tiles_op.register_fake
+def _(x, fp8_dtype, transposed, margin, power_of_two):
+    r, c = (x.shape[1], x.shape[0]) if transposed else x.shape
+    return x.new_empty((r, c), dtype=fp8_dtype), x.new_empty((r, -(-c // ref.BLOCK)), dtype=torch.float32)
+
+
+def _quantize_blocks(w: torch.Tensor, fp8_dtype: torch.dtype, margin: float,
+                     power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """128 x 128 blocks of w: (q, q_t, scales (ceil(R/128), ceil(C/128)))."""
+    ext = extension.kernels_for(w)
+    if ext is not None:
+        return tuple(ext.quantize_blocks(w, _FMT_ID[fp8_dtype], ref.margin_multiplier(margin), power_of_two))
+    q, scales = ref.quantize_blocks(w, fp8_dtype, margin=margin, power_of_two=power_of_two)
+    return q, q.t().contiguous(), scales
+
+
+quantize_blocks_op = torch.library.custom_op("torch_ops::quantize_blocks", mutates_args=())(_quantize_blocks)
+
+
+@quantize_blocks_op.register_fake
+def _(w, fp8_dtype, margin, power_of_two):
+    r, c = w.shape
+    return (w.new_empty((r, c), dtype=fp8_dtype), w.new_empty((c, r), dtype=fp8_dtype),
+            w.new_empty((-(-r // ref.BLOCK), -(-c // ref.BLOCK)), dtype=torch.float32))
+
+
+def _block_gemm(a: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor, b_tiles: bool,
+                bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b_t^T`` of block-scaled operands, ``a`` (M, K) in 1 x 128 tiles
+    (``a_scales`` (M, ceil(K/128))), ``b_t`` (N, K) in 1 x 128 tiles
+    (``b_tiles``: ``b_scales`` (N, ceil(K/128))) or 128 x 128 blocks
+    (``b_scales`` (ceil(N/128), ceil(K/128)))."""
+    if extension.kernels_for(a) is not None:
+        from . import block_gemm as block_gemm_lib
+
+        out = block_gemm_lib.scaled_mm(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype)
+        if out is not None:
+            return out
+    return ref.block_gemm(a, a_scales, b_t.t(), b_scales.t(), b_tiles=b_tiles, bias=bias, out_dtype=out_dtype)
+
+
+block_gemm_op = torch.library.custom_op("torch_ops::block_gemm", mutates_args=())(_block_gemm)
+
+
+@block_gemm_op.register_fake
+def _(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype):
+    return a.new_empty((a.shape[0], b_t.shape[0]), dtype=out_dtype)
+
+
 # --------------------------------------------------------------------------- calls (direct where plain)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -230,3 +296,21 @@ def gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, autotune):
     if plain(a, b, scale_a, scale_b, bias):
         return _gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, autotune)
     return torch.ops.torch_ops.gemm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, autotune)
+
+
+def quantize_tiles(x, fp8_dtype, transposed, margin, power_of_two):
+    if plain(x):
+        return _quantize_tiles(x, fp8_dtype, transposed, margin, power_of_two)
+    return torch.ops.torch_ops.quantize_tiles(x, fp8_dtype, transposed, margin, power_of_two)
+
+
+def quantize_blocks(w, fp8_dtype, margin, power_of_two):
+    if plain(w):
+        return _quantize_blocks(w, fp8_dtype, margin, power_of_two)
+    return torch.ops.torch_ops.quantize_blocks(w, fp8_dtype, margin, power_of_two)
+
+
+def block_gemm(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype):
+    if plain(a, a_scales, b_t, b_scales, bias):
+        return _block_gemm(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype)
+    return torch.ops.torch_ops.block_gemm(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype)

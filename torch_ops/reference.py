@@ -252,3 +252,108 @@ def check_margin(margin) -> float:
             or not 0 <= margin <= MAX_MARGIN):
         raise ValueError(f"margin: expected a number from 0 to {MAX_MARGIN:g}, got {margin!r}")
     return float(margin)
+
+
+# --------------------------------------------------------------------------- block scaling
+# Block scaling (DeepSeek-V3's recipe): activations and output gradients get a
+# scale per 1 x 128 tile along the contraction dimension, weights one per
+# 128 x 128 block; each from the tensor's own values in that tile (no
+# history). A ragged last tile is shorter; zeros pad nothing but the shape.
+BLOCK = 128
+
+
+def block_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: float = 0.0,
+                power_of_two: bool = False) -> torch.Tensor:
+    """The scale of each tile from its amax: ``compute_scale``'s rule (floor,
+    margin), rounded up to a power of two with ``power_of_two``; 1 for a tile
+    that is all zeros or holds a non-finite value."""
+    a = amax.to(torch.float32)
+    s = torch.clamp_min(a * f32(1.0 / fp8_max(fp8_dtype)), MIN_SCALE) * margin_multiplier(margin)
+    if power_of_two:
+        mantissa, exponent = torch.frexp(s)  # s = mantissa * 2**exponent, mantissa in [0.5, 1)
+        exponent = torch.where(mantissa == 0.5, exponent - 1, exponent).clamp(max=127)  # 2**128 is inf
+        s = torch.ldexp(torch.ones_like(s), exponent)
+    return torch.where(torch.isfinite(a) & (a > 0), s, torch.ones_like(s))
+
+
+def _tiled(x2d: torch.Tensor, axis: int):
+    """``x2d`` as (lines, tiles, BLOCK) tiles of BLOCK along ``axis``, zero
+    padded, lines being the other axis; and the padded length."""
+    t = x2d.detach().to(torch.float32)
+    if axis == 0:
+        t = t.t()
+    lines, n = t.shape
+    tiles = -(-n // BLOCK)
+    t = torch.nn.functional.pad(t, (0, tiles * BLOCK - n))
+    return t.reshape(lines, tiles, BLOCK), n
+
+
+def quantize_tiles(x2d: torch.Tensor, fp8_dtype: torch.dtype, *, axis: int = 1, margin: float = 0.0,
+                   power_of_two: bool = False):
+    """Quantizes a 2-D tensor per tile of 128 along ``axis`` (1: 1 x 128 tiles
+    of each row; 0: 128 x 1 tiles of each column).
+
+    Returns:
+        ``(q, scales)``: ``q`` shaped like ``x2d``; ``scales`` float32 of
+        shape ``(rows, ceil(cols / 128))`` for axis 1, ``(ceil(rows / 128),
+        cols)`` for axis 0.
+    """
+    t, n = _tiled(x2d, axis)
+    if t.numel():
+        scales = block_scale(t.abs().amax(dim=2), fp8_dtype, margin, power_of_two)
+    else:
+        scales = t.new_ones(t.shape[:2])
+    q = quantize_with_scale_tiles(t, scales, fp8_dtype).reshape(t.shape[0], -1)[:, :n]
+    if axis == 0:
+        return q.t().contiguous(), scales.t().contiguous()
+    return q.contiguous(), scales
+
+
+def quantize_with_scale_tiles(t: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``quantize_with_scale`` of (lines, tiles, BLOCK) tiles, each with its scale."""
+    m = fp8_max(fp8_dtype)
+    y = torch.where(torch.isinf(t), float("nan"), t * (1.0 / scales.unsqueeze(-1)))
+    return y.clamp(-m, m).to(fp8_dtype)
+
+
+def quantize_blocks(w2d: torch.Tensor, fp8_dtype: torch.dtype, *, margin: float = 0.0, power_of_two: bool = False):
+    """Quantizes a 2-D tensor per 128 x 128 block.
+
+    Returns:
+        ``(q, scales)``: ``q`` shaped like ``w2d``; ``scales`` float32 of shape
+        ``(ceil(rows / 128), ceil(cols / 128))``.
+    """
+    w = w2d.detach().to(torch.float32)
+    r, c = w.shape
+    rb, cb = -(-r // BLOCK), -(-c // BLOCK)
+    padded = torch.nn.functional.pad(w, (0, cb * BLOCK - c, 0, rb * BLOCK - r))
+    blocks = padded.reshape(rb, BLOCK, cb, BLOCK).permute(0, 2, 1, 3)  # (rb, cb, 128, 128)
+    scales = block_scale(blocks.abs().amax(dim=(2, 3)), fp8_dtype, margin, power_of_two)
+    m = fp8_max(fp8_dtype)
+    y = torch.where(torch.isinf(blocks), float("nan"), blocks * (1.0 / scales[:, :, None, None]))
+    q = y.clamp(-m, m).to(fp8_dtype).permute(0, 2, 1, 3).reshape(rb * BLOCK, cb * BLOCK)[:r, :c]
+    return q.contiguous(), scales
+
+
+def block_gemm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, *,
+               b_tiles: bool = False, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ b`` for block-scaled FP8 operands: ``a`` (M, K) with 1 x 128
+    tiles along K (``a_scales`` (M, ceil(K/128))), ``b`` (K, N) with 128 x 128
+    blocks (``b_scales`` (ceil(K/128), ceil(N/128))) or, with ``b_tiles``,
+    128 x 1 tiles along K (``b_scales`` (ceil(K/128), N)). Each 128-long
+    stretch of K is summed in float32 and multiplied by its two scales, then
+    the stretches are added: what block-scaled FP8 GEMMs compute, up to the
+    order of the sums.
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    out = torch.zeros((m, n), dtype=torch.float32, device=a.device)
+    af, bf = a.to(torch.float32), b.to(torch.float32)
+    for kb in range(-(-k // BLOCK)):
+        sl = slice(kb * BLOCK, min(k, (kb + 1) * BLOCK))
+        sb = b_scales[kb] if b_tiles else b_scales[kb].repeat_interleave(BLOCK)[:n]
+        out += (af[:, sl] @ bf[sl, :]) * a_scales[:, kb:kb + 1] * sb[None, :]
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
