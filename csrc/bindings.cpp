@@ -118,6 +118,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x, fmt, transposed, mult, power_of_two -> (q, scales): 1 x 128 tiles of x's rows (or columns, transposed)");
   m.def("quantize_blocks", &torch_ops::quantize_blocks,
         "w, fmt, mult, power_of_two -> (q, q_t, scales): 128 x 128 blocks");
+  m.def(
+      "block_gemm",
+      [](const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& b, const at::Tensor& b_scales,
+         bool b_tiles, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) -> py::object {
+        at::Tensor out = torch_ops::block_gemm(a, a_scales, b, b_scales, b_tiles, bias, out_dtype);
+        if (!out.defined()) return py::none();
+        return py::cast(out);
+      },
+      "a, a_scales, b, b_scales, b_tiles, bias, out_dtype -> a @ b^T block-scaled (None: no cuBLASLt kernel)");
   m.def("fold_grad_amax", &torch_ops::fold_grad_amax,
         "pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale -> (token, scale, history)");
 }

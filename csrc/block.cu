@@ -12,7 +12,11 @@
 //                          a shared-memory slab of 128 rows x 32 columns;
 //   quantize_blocks        w (R, C) -> q (R, C), q_t (C, R), scales
 //                          (ceil(R/128), ceil(C/128)): one CTA per block.
-// Ragged edges: elements past R or C are neither read nor written.
+// Tile scales are stored the way cuBLASLt's VEC128 mode reads them: for
+// each tile index, the rows' scales side by side, rows padded to a multiple
+// of 4 (16 bytes); the returned (rows, tiles) tensor is a strided view of
+// that storage. Ragged edges: elements past R or C are neither read nor
+// written.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -61,8 +65,8 @@ __device__ __forceinline__ uint8_t q1(float v, float inv) {
 
 template <typename T, bool kE5M2>
 __global__ void quantize_tile_rows_kernel(const T* __restrict__ x, long long R, long long C, long long tiles_c,
-                                          uint8_t* __restrict__ q, float* __restrict__ scales, float inv_max,
-                                          float mult, int power_of_two) {
+                                          uint8_t* __restrict__ q, float* __restrict__ scales, long long ld_scales,
+                                          float inv_max, float mult, int power_of_two) {
   const int lane = threadIdx.x & 31;
   const long long tile = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (tile >= R * tiles_c) return;  // whole warps leave together
@@ -82,7 +86,7 @@ __global__ void quantize_tile_rows_kernel(const T* __restrict__ x, long long R, 
     const long long c = t * kTile + lane * 4 + j;
     if (c < C) q[r * C + c] = q1<kE5M2>(v[j], inv);
   }
-  if (lane == 0) scales[r * tiles_c + t] = scale;
+  if (lane == 0) scales[t * ld_scales + r] = scale;
 }
 
 // A CTA of 256 threads takes rows r0 .. r0 + 127 (one tile of each column)
@@ -90,8 +94,8 @@ __global__ void quantize_tile_rows_kernel(const T* __restrict__ x, long long R, 
 template <typename T, bool kE5M2>
 __global__ void __launch_bounds__(256) quantize_tile_columns_kernel(const T* __restrict__ x, long long R, long long C,
                                                                     long long tiles_r, uint8_t* __restrict__ qt,
-                                                                    float* __restrict__ scales, float inv_max,
-                                                                    float mult, int power_of_two) {
+                                                                    float* __restrict__ scales, long long ld_scales,
+                                                                    float inv_max, float mult, int power_of_two) {
   __shared__ float slab[32][kTile + 1];  // [column][row]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long c0 = (long long)blockIdx.x * 32, r0 = (long long)blockIdx.y * kTile;
@@ -118,7 +122,7 @@ __global__ void __launch_bounds__(256) quantize_tile_columns_kernel(const T* __r
         const long long r = r0 + lane * 4 + j;
         if (r < R) qt[c * R + r] = q1<kE5M2>(v[j], inv);
       }
-      if (lane == 0) scales[c * tiles_r + blockIdx.y] = scale;
+      if (lane == 0) scales[blockIdx.y * ld_scales + c] = scale;
     }
   }
 }
@@ -199,6 +203,8 @@ void check_input(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
+long long round4(long long v) { return (v + 3) / 4 * 4; }
+
 at::ScalarType fp8_of(int fmt) { return fmt == kE5M2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn; }
 float fmax_of(int fmt) { return fmt == kE5M2 ? 57344.0f : 448.0f; }
 
@@ -217,7 +223,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_tiles(const at::Tensor& x, int64_t f
   if (!transposed) {
     const long long tiles_c = (C + kTile - 1) / kTile;
     q = at::empty({R, C}, q_options);
-    scales = at::empty({R, tiles_c}, f_options);
+    const long long ld = round4(R);
+    scales = at::empty({tiles_c, ld}, f_options).narrow(1, 0, R).t();
     const long long warps = R * tiles_c;
     if (warps == 0) return {q, scales};
     const unsigned blocks = (unsigned)((warps + 7) / 8);
@@ -225,19 +232,20 @@ std::tuple<at::Tensor, at::Tensor> quantize_tiles(const at::Tensor& x, int64_t f
       using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
       auto kernel = fmt == kE5M2 ? quantize_tile_rows_kernel<T, true> : quantize_tile_rows_kernel<T, false>;
       kernel<<<blocks, 256, 0, stream>>>(xp, R, C, tiles_c, reinterpret_cast<uint8_t*>(q.data_ptr()),
-                                         scales.data_ptr<float>(), inv_max, (float)mult, power_of_two ? 1 : 0);
+                                         scales.data_ptr<float>(), ld, inv_max, (float)mult, power_of_two ? 1 : 0);
     });
   } else {
     const long long tiles_r = (R + kTile - 1) / kTile;
     q = at::empty({C, R}, q_options);
-    scales = at::empty({C, tiles_r}, f_options);
+    const long long ld = round4(C);
+    scales = at::empty({tiles_r, ld}, f_options).narrow(1, 0, C).t();
     if (R == 0 || C == 0) return {q, scales};
     const dim3 grid((unsigned)((C + 31) / 32), (unsigned)tiles_r);
     dispatch_input(x, [&](auto* xp) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
       auto kernel = fmt == kE5M2 ? quantize_tile_columns_kernel<T, true> : quantize_tile_columns_kernel<T, false>;
       kernel<<<grid, 256, 0, stream>>>(xp, R, C, tiles_r, reinterpret_cast<uint8_t*>(q.data_ptr()),
-                                       scales.data_ptr<float>(), inv_max, (float)mult, power_of_two ? 1 : 0);
+                                       scales.data_ptr<float>(), ld, inv_max, (float)mult, power_of_two ? 1 : 0);
     });
   }
   TORCH_OPS_CUDA_CHECK(cudaGetLastError());

@@ -200,6 +200,16 @@ std::tuple<at::Tensor, at::Tensor> quantize_tiles(const at::Tensor& x, int64_t f
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& w, int64_t fmt, double mult,
                                                                bool power_of_two);
 
+// gemm.cpp: out (M, N) = a (M, K) @ b (N, K)^T of block-scaled operands: a in
+// 1 x 128 tiles along K (a_scales (M, ceil(K/128))), b in 1 x 128 tiles
+// (b_tiles: b_scales (N, ceil(K/128))) or 128 x 128 blocks (b_scales
+// (ceil(N/128), ceil(K/128))); float32 accumulation, the bias added before
+// the one rounding. An undefined tensor where cuBLASLt has no kernel for the
+// combination (the caller runs the reference).
+at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& b,
+                      const at::Tensor& b_scales, bool b_tiles, const c10::optional<at::Tensor>& bias,
+                      at::ScalarType out_dtype);
+
 // ---------------------------------------------------------------------------
 // linear.cpp: the eager entry of torch_ops/linear.py (see there)
 

@@ -152,15 +152,26 @@ void set_call_pointers(Descs& ds, const float* sa, const float* sb, const void* 
     TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
 }
 
+// `mode_a`, `mode_b`: cuBLASLt's scale modes of our a and our b (scalar for
+// the per-tensor GEMM; VEC128 / BLK128x128 for the block-scaled one).
 void make_descs(Descs& ds, cudaDataType_t ta, cudaDataType_t tb, cudaDataType_t td, long long M, long long N,
                 long long K, long long lda, long long ldb, long long ldd, bool fast, const float* sa,
-                const float* sb, const void* bias, cudaDataType_t tbias) {
+                const float* sb, const void* bias, cudaDataType_t tbias,
+                int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
+                int32_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) {
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescCreate(&ds.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)));
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
   int8_t fa = fast ? 1 : 0;
   TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)));
+  if (mode_a != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F || mode_b != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) {
+    // cuBLASLt's A is our b, its B our a.
+    TORCH_OPS_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_b, sizeof(mode_b)));
+    TORCH_OPS_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_a, sizeof(mode_a)));
+  }
   if (bias) {
     cublasLtEpilogue_t ep = CUBLASLT_EPILOGUE_BIAS;
     TORCH_OPS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof(ep)));
@@ -465,6 +476,160 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
       plan = p;  // the same descriptor, now with the chosen algorithm
     }
     Descs& ds = *plan.ds;
+    TORCH_OPS_CUBLAS_CHECK(cublasLtMatmul(handle, ds.op, &alpha, b.data_ptr(), ds.a, a.data_ptr(), ds.b, &beta,
+                                          out.data_ptr(), ds.d, out.data_ptr(), ds.d, &plan.algo, ws,
+                                          kWorkspaceBytes, stream));
+  }
+  if (Np != N) out = out.narrow(1, 0, N).contiguous();
+  if (bias.has_value() && !plan.bias_fused) out.add_(bias->to(od));
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Block-scaled FP8 GEMM (recipes.BlockScaling; sm_90, cuBLASLt 12.9+):
+// out (M, N) = a @ b^T, a (M, K) in 1 x 128 tiles along K (VEC128 scales),
+// b (N, K) in 1 x 128 tiles (VEC128) or 128 x 128 blocks (BLK128x128). Each
+// 128-long stretch of K is multiplied by its two scales inside the kernel
+// (float32 accumulation; no fast accumulation in these modes). Scale
+// layouts cuBLASLt reads: VEC128, for each K tile the rows' scales side by
+// side, the row count padded to a multiple of 4; BLK128x128, for each block
+// row its K blocks side by side, padded to a multiple of 4.
+namespace {
+
+long long round4(long long v) { return (v + 3) / 4 * 4; }
+
+// (rows, tiles) tile scales as cuBLASLt's VEC128 storage: tiles x round4(rows)
+// float32 (what csrc/block.cu writes: then no copy).
+at::Tensor vec128_scales(const at::Tensor& s, long long rows, long long tiles, const char* name) {
+  TORCH_CHECK(s.is_cuda() && s.scalar_type() == at::kFloat && s.dim() == 2 && s.size(0) == rows &&
+                  s.size(1) == tiles,
+              name, ": expected float32 CUDA scales of shape (", std::to_string(rows), ", ", std::to_string(tiles),
+              "), got ", shape_str(s));
+  const long long ld = round4(rows);
+  if (s.stride(0) == 1 && s.stride(1) == ld && (reinterpret_cast<uintptr_t>(s.data_ptr()) & 15) == 0) return s;
+  at::Tensor out = at::ones({tiles, ld}, s.options());
+  out.narrow(1, 0, rows).copy_(s.t());
+  return out.narrow(1, 0, rows).t();
+}
+
+// (block rows, K blocks) block scales as cuBLASLt's BLK128x128 storage.
+at::Tensor blk128_scales(const at::Tensor& s, long long rows, long long blocks, const char* name) {
+  TORCH_CHECK(s.is_cuda() && s.scalar_type() == at::kFloat && s.dim() == 2 && s.size(0) == rows &&
+                  s.size(1) == blocks,
+              name, ": expected float32 CUDA scales of shape (", std::to_string(rows), ", ",
+              std::to_string(blocks), "), got ", shape_str(s));
+  const long long ld = round4(blocks);
+  if (s.stride(1) == 1 && s.stride(0) == ld && (reinterpret_cast<uintptr_t>(s.data_ptr()) & 15) == 0) return s;
+  at::Tensor out = at::ones({rows, ld}, s.options());
+  out.narrow(1, 0, blocks).copy_(s);
+  return out.narrow(1, 0, blocks);
+}
+
+using BlockKey = std::array<int64_t, 11>;
+struct BlockPlan {
+  cublasLtMatmulAlgo_t algo;
+  bool bias_fused;
+  std::shared_ptr<Descs> ds;
+};
+std::map<BlockKey, BlockPlan> g_block_plans;
+std::map<BlockKey, bool> g_block_unsupported;
+
+}  // namespace
+
+at::Tensor block_gemm(const at::Tensor& a_in, const at::Tensor& a_scales, const at::Tensor& b_in,
+                      const at::Tensor& b_scales, bool b_tiles, const c10::optional<at::Tensor>& bias_in,
+                      at::ScalarType od) {
+  TORCH_CHECK(a_in.dim() == 2, "a: expected a 2-D fp8 tensor (M, K), got shape ", shape_str(a_in));
+  TORCH_CHECK(b_in.dim() == 2, "b: expected a 2-D fp8 tensor (N, K), got shape ", shape_str(b_in));
+  TORCH_CHECK(a_in.size(1) == b_in.size(1), "a, b: K mismatch: a is ", shape_str(a_in), ", b is ", shape_str(b_in));
+  TORCH_CHECK(a_in.is_cuda() && b_in.is_cuda(), "a, b: expected CUDA tensors");
+  const cudaDataType_t ta = fp8_type(b_in, "b"), tb = fp8_type(a_in, "a");
+  TORCH_CHECK(!(ta == CUDA_R_8F_E5M2 && tb == CUDA_R_8F_E5M2), "a, b: E5M2 x E5M2 is not supported by cuBLASLt");
+  const cudaDataType_t td = out_type(od);
+  const DeviceScope device_scope(a_in);
+  const long long M = a_in.size(0), N = b_in.size(0), K = a_in.size(1);
+  const long long kt = (K + 127) / 128;
+  at::Tensor sa = vec128_scales(a_scales, M, kt, "a_scales");
+  at::Tensor sb = b_tiles ? vec128_scales(b_scales, N, kt, "b_scales")
+                          : blk128_scales(b_scales, (N + 127) / 128, kt, "b_scales");
+  c10::optional<at::Tensor> bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N, "bias: expected shape (", std::to_string(N), ",), got ",
+                shape_str(*bias_in));
+    bias = bias_in->to(od == at::kFloat ? at::kFloat : od).contiguous();
+  }
+  if (M == 0 || N == 0) return at::empty({M, N}, a_in.options().dtype(od));
+  if (K == 0) {
+    at::Tensor z = at::zeros({M, N}, a_in.options().dtype(at::kFloat));
+    if (bias) z = z + bias->to(at::kFloat);
+    return z.to(od);
+  }
+  const long long Kp = round16(K);
+  at::Tensor a = prepare_operand(a_in, Kp);
+  at::Tensor b = prepare_operand(b_in, Kp);
+  const long long lda = a.stride(0), ldb = b.stride(0);
+  const long long Np = round16(N);
+  const bool want_bias_fused = bias.has_value() && od != at::kFloat;
+  const cudaDataType_t tbias = od == at::kHalf ? CUDA_R_16F : CUDA_R_16BF;
+  const BlockKey key = {(int64_t)a.get_device(), M, N, Kp, lda, ldb, (int64_t)ta, (int64_t)tb, (int64_t)td,
+                        (int64_t)want_bias_fused, (int64_t)b_tiles};
+  const int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  const int32_t mode_b = b_tiles ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  cublasLtHandle_t handle = lt_handle(a.get_device());
+  BlockPlan plan;
+  bool have = false;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (g_block_unsupported.count(key)) return at::Tensor();
+    auto it = g_block_plans.find(key);
+    if (it != g_block_plans.end()) {
+      plan = it->second;
+      have = true;
+    }
+  }
+  if (!have) {
+    for (int attempt = 0; attempt < 2 && !have; ++attempt) {
+      const bool fused = want_bias_fused && attempt == 0;
+      if (attempt == 1 && !want_bias_fused) break;
+      auto ds = std::make_shared<Descs>();
+      make_descs(*ds, ta, tb, td, M, N, Kp, lda, ldb, Np, false, sa.data_ptr<float>(), sb.data_ptr<float>(),
+                 fused ? bias->data_ptr() : nullptr, tbias, mode_a, mode_b);
+      cublasLtMatmulHeuristicResult_t res{};
+      int count = 0;
+      if (cublasLtMatmulAlgoGetHeuristic(handle, ds->op, ds->a, ds->b, ds->d, ds->d, ds->pref, 1, &res, &count) !=
+              CUBLAS_STATUS_SUCCESS ||
+          count < 1 || res.state != CUBLAS_STATUS_SUCCESS || res.workspaceSize > kWorkspaceBytes)
+        continue;
+      plan.algo = res.algo;
+      plan.bias_fused = fused;
+      plan.ds = ds;
+      have = true;
+    }
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (!have) {
+      // No block-scaled kernel for this combination here: the caller runs
+      // the reference (torch_ops/ops.py warns once).
+      g_block_unsupported[key] = true;
+      return at::Tensor();
+    }
+    plan = g_block_plans.emplace(key, plan).first->second;
+  }
+  // Without a fused bias the GEMM writes float32 and the bias is added
+  // before the one rounding to the output dtype.
+  const bool f32_out = bias.has_value() && !plan.bias_fused && od != at::kFloat;
+  if (f32_out) {
+    at::Tensor acc = block_gemm(a, sa, b, sb, b_tiles, c10::nullopt, at::kFloat);
+    if (!acc.defined()) return acc;
+    return (acc + bias->to(at::kFloat)).to(od);
+  }
+  at::Tensor out = at::empty({M, Np}, a.options().dtype(od));
+  const float alpha = 1.0f, beta = 0.0f;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  void* ws = lt_workspace(a, stream);
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    Descs& ds = *plan.ds;
+    set_call_pointers(ds, sa.data_ptr<float>(), sb.data_ptr<float>(), plan.bias_fused ? bias->data_ptr() : nullptr);
     TORCH_OPS_CUBLAS_CHECK(cublasLtMatmul(handle, ds.op, &alpha, b.data_ptr(), ds.a, a.data_ptr(), ds.b, &beta,
                                           out.data_ptr(), ds.d, out.data_ptr(), ds.d, &plan.algo, ws,
                                           kWorkspaceBytes, stream));

@@ -351,6 +351,14 @@ def _tiles(x2d, axis):
     return ops.reshape(t, (lines, tiles, BLOCK)), n
 
 
+def _tile_amax(t, axis):
+    """The amax of each tile, inf for a tile holding NaN (which `block_scale`
+    treats as it treats NaN). XLA on CPU drops NaN from max-reductions over
+    an axis that is not the innermost, so NaN is made inf before reducing."""
+    magnitude = ops.abs(t)
+    return ops.amax(ops.where(ops.isnan(magnitude), float("inf"), magnitude), axis=axis)
+
+
 def _quantize_scaled(t, scales, fmt):
     fmt_max = recipes.FORMAT_MAX[fmt]
     scaled = ops.where(ops.isinf(t), float("nan"), ops.multiply(t, reciprocal(scales)))
@@ -367,7 +375,7 @@ def quantize_tiles(x2d, fmt, axis=1, margin=0.0, power_of_two=False):
         for axis 0.
     """
     t, n = _tiles(x2d, axis)
-    scales = block_scale(ops.amax(ops.abs(t), axis=2), fmt, margin, power_of_two)
+    scales = block_scale(_tile_amax(t, 2), fmt, margin, power_of_two)
     q = _quantize_scaled(t, ops.expand_dims(scales, -1), fmt)
     q = ops.reshape(q, (t.shape[0], -1))[:, :n]
     if axis == 0:
@@ -388,7 +396,7 @@ def quantize_blocks(w2d, fmt, margin=0.0, power_of_two=False):
     if (rb * BLOCK, cb * BLOCK) != (r, c):
         w = ops.pad(w, ((0, rb * BLOCK - r), (0, cb * BLOCK - c)))
     blocks = ops.transpose(ops.reshape(w, (rb, BLOCK, cb, BLOCK)), (0, 2, 1, 3))
-    scales = block_scale(ops.amax(ops.abs(blocks), axis=(2, 3)), fmt, margin, power_of_two)
+    scales = block_scale(_tile_amax(blocks, (2, 3)), fmt, margin, power_of_two)
     q = _quantize_scaled(blocks, ops.reshape(scales, (rb, cb, 1, 1)), fmt)
     q = ops.reshape(ops.transpose(q, (0, 2, 1, 3)), (rb * BLOCK, cb * BLOCK))[:r, :c]
     return q, scales

@@ -167,3 +167,107 @@ class ScaleTest(parameterized.TestCase):
             np.float32(0.0), np.zeros(3, np.float32), np.float32(7.0), "e4m3", recipe
         )
         self.assertEqual(float(used), 7.0)
+
+
+def _block_data(rng, shape, kind):
+    """Random data for the block-scaling tests: tiles of very different
+    magnitudes (tiny, huge, mixed), with zeros and non-finite values where
+    asked."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    if kind == "mixed":
+        # Per-row and per-column magnitudes from 2**-100 to 2**100.
+        x *= np.float32(2.0) ** rng.integers(-100, 100, (shape[0], 1)).astype(np.float32)
+        x *= np.float32(2.0) ** rng.integers(-20, 20, (1, shape[1])).astype(np.float32)
+    elif kind == "tiny":
+        # Down to the scale floor, every input a normal float (XLA on CPU
+        # flushes subnormal inputs to zero: docs/numerics.md).
+        x = np.sign(x) * (np.abs(x) + np.float32(1.0)) * np.float32(1e-36)
+    elif kind == "huge":
+        x *= np.float32(1e37)
+    elif kind == "special":
+        r, c = shape
+        x[0, :] = 0.0
+        x[1 % r, 3 % c] = np.inf
+        x[2 % r, 5 % c] = np.nan
+        x[-1, -1] = -np.inf
+    return x
+
+
+def _bits(q):
+    """FP8 values (as float32) as bits, every NaN one pattern (the sign of a
+    NaN is not part of the contract): -0 and 0 stay apart."""
+    f = np.asarray(q).astype(np.float32)
+    return np.where(np.isnan(f), np.float32(np.nan), f).view(np.uint32) & np.where(
+        np.isnan(f), np.uint32(0x7FFFFFFF), np.uint32(0xFFFFFFFF))
+
+
+class BlockScalingTest(parameterized.TestCase):
+    """The block-scaling reference (`numerics.quantize_tiles`,
+    `quantize_blocks`, `block_matmul`) against the NumPy reference: bytes and
+    scales equal, at aligned and ragged shapes."""
+
+    @parameterized.product(
+        shape=[(128, 256), (130, 300), (5, 3)],
+        kind=["normal", "mixed", "tiny", "huge", "special"],
+        fmt_pow2=[("e4m3", False), ("e5m2", False), ("e4m3", True)],
+    )
+    def test_tiles_bit_exact(self, shape, kind, fmt_pow2):
+        fmt, power_of_two = fmt_pow2
+        rng = np.random.default_rng(hash((shape, kind)) % 2**32)
+        x = _block_data(rng, shape, kind)
+        for axis in (0, 1):
+            q, s = numerics.quantize_tiles(ops.convert_to_tensor(x), fmt, axis, 0.0, power_of_two)
+            q_ref, s_ref = reference.quantize_tiles(x, fmt, axis, 0.0, power_of_two)
+            np.testing.assert_array_equal(ops.convert_to_numpy(s), s_ref)
+            np.testing.assert_array_equal(_bits(ops.convert_to_numpy(ops.cast(q, "float32"))), _bits(q_ref))
+
+    @parameterized.product(
+        shape=[(256, 128), (300, 130), (3, 5)],
+        kind=["normal", "mixed", "special"],
+        power_of_two=[False, True],
+        margin=[0.0, 2.0],
+    )
+    def test_blocks_bit_exact(self, shape, kind, power_of_two, margin):
+        rng = np.random.default_rng(hash((shape, kind, 1)) % 2**32)
+        w = _block_data(rng, shape, kind)
+        q, s = numerics.quantize_blocks(ops.convert_to_tensor(w), "e4m3", margin, power_of_two)
+        q_ref, s_ref = reference.quantize_blocks(w, "e4m3", margin, power_of_two)
+        np.testing.assert_array_equal(ops.convert_to_numpy(s), s_ref)
+        np.testing.assert_array_equal(_bits(ops.convert_to_numpy(ops.cast(q, "float32"))), _bits(q_ref))
+
+    def test_power_of_two_scales(self):
+        amax = np.array([448.0, 448.0 * 1.5, 1e-37, 3e38, 0.0, np.inf, np.nan], np.float32)
+        s = ops.convert_to_numpy(numerics.block_scale(amax, "e4m3", 0.0, True))
+        np.testing.assert_array_equal(s, reference.block_scale(amax, "e4m3", 0.0, True))
+        self.assertEqual(list(s[:2]), [1.0, 2.0])
+        self.assertEqual(float(s[2]), 2.0**-126)  # the floor
+        self.assertEqual(list(s[4:]), [1.0, 1.0, 1.0])  # zero or non-finite tiles
+        finite = s[:4]
+        np.testing.assert_array_equal(np.exp2(np.round(np.log2(finite))), finite)
+
+    @parameterized.product(
+        mkn=[(64, 256, 128), (33, 300, 129), (130, 128, 5)],
+        b_tiles=[False, True],
+    )
+    def test_block_matmul(self, mkn, b_tiles):
+        m, k, n = mkn
+        rng = np.random.default_rng(m * k + n)
+        # Rows of magnitudes 2**-20 .. 2**20: every product stays normal in float32.
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        a *= np.float32(2.0) ** rng.integers(-20, 20, (m, 1)).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        a_q, a_s = reference.quantize_tiles(a, "e4m3", 1)
+        b_q, b_s = (reference.quantize_tiles(b, "e5m2", 0) if b_tiles
+                    else reference.quantize_blocks(b, "e4m3"))
+        fp8 = {np.dtype(reference.FMT[f][0]): f for f in reference.FMT}
+
+        def tensor(q):  # FP8 values through float32 (exact), then cast back
+            return ops.cast(ops.convert_to_tensor(q.astype(np.float32)), numerics.recipes.FORMAT_DTYPE[fp8[q.dtype]])
+
+        got = ops.convert_to_numpy(numerics.block_matmul(tensor(a_q), a_s, tensor(b_q), b_s, "float32",
+                                                         b_tiles=b_tiles))
+        want = reference.block_matmul(a_q, a_s, b_q, b_s, b_tiles)
+        # float32 sums of exact products: |err| <= K * 2**-23 * sum |terms|.
+        bound = reference.block_matmul(np.abs(a_q.astype(np.float32)), a_s, np.abs(b_q.astype(np.float32)),
+                                       b_s, b_tiles) * k * 2.0**-23
+        self.assertTrue(np.all(np.abs(got - want) <= bound + 1e-45))

@@ -16,6 +16,9 @@ Two execution paths, one algorithm (docs/design.md):
   subclasses, CPU): the ``torch.library`` ops of ``torch_ops.ops`` under the
   autograd Function below. Off the kernels those ops run the reference.
 
+Block scaling (``scaling="block"``) runs one path for both: the same custom
+ops under ``_BlockLinearFunction``, each GEMM cuBLASLt's block-scaled one.
+
 Below ``min_gemm_size`` (and for empty inputs) a call runs exactly what the
 compute-dtype layer runs, ``F.linear`` in x's dtype, and leaves the FP8 state
 untouched: the next FP8 call continues from the state the last one left.
@@ -34,7 +37,7 @@ from . import reference as ref
 from . import settings as settings_lib
 
 E4M3 = ref.E4M3
-SCALINGS = ("delayed", "current")
+SCALINGS = ("delayed", "current", "block")
 WEIGHT_LAYOUTS = ("out_in", "in_out")
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 # Longest amax history a state may have.
@@ -89,9 +92,13 @@ def check_history_len(history_len):
         raise ValueError(f"history_len: expected an integer from 1 to {MAX_HISTORY_LEN}, got {history_len!r}")
 
 
-def check_options(fp8_format, scaling, amax_compute_algo):
+def check_options(fp8_format, scaling, amax_compute_algo, power_of_two=False):
     """Raises ValueError naming the first option that is not one of its accepted
     values (fp8_linear's and FP8Linear's options)."""
+    if not isinstance(power_of_two, bool):
+        raise ValueError(f"power_of_two: expected a bool, got {power_of_two!r}")
+    if power_of_two and scaling != "block":
+        raise ValueError(f"power_of_two: applies to scaling='block' only, got scaling={scaling!r}")
     if fp8_format not in ref.FP8_FORMATS:
         raise ValueError(f"fp8_format: expected one of {tuple(ref.FP8_FORMATS)}, got {fp8_format!r}")
     if scaling not in SCALINGS:
@@ -100,7 +107,7 @@ def check_options(fp8_format, scaling, amax_compute_algo):
         raise ValueError(f"amax_compute_algo: expected one of {ref.AMAX_COMPUTE_ALGOS}, got {amax_compute_algo!r}")
 
 
-def _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout):
+def _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout, power_of_two=False):
     """The Python path's argument checks (the C++ entry makes the same)."""
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -115,7 +122,7 @@ def _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weigh
         raise TypeError(f"weight: expected bfloat16, float16 or float32, got {weight.dtype}")
     if weight.device != x.device:
         raise ValueError(f"weight: expected device {x.device}, got {weight.device}")
-    check_options(fp8_format, scaling, amax_compute_algo)
+    check_options(fp8_format, scaling, amax_compute_algo, power_of_two)
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout: expected one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
     k_w = weight.shape[0] if weight_layout == "in_out" else weight.shape[1]
@@ -280,6 +287,94 @@ def _python_fp8_linear(x, weight, bias, state, fp8_format, scaling, margin, algo
     return out.reshape(*x.shape[:-1], n)
 
 
+# --------------------------------------------------------------------------- block scaling
+class _BlockLinearFunction(torch.autograd.Function):
+    """Block-scaled FP8 linear (scaling="block", docs/design.md "Block
+    scaling"): x and the output gradient in 1 x 128 tiles along the
+    contraction of each GEMM, the weight in 128 x 128 blocks, every scale from
+    its tile's own values (no state). The weight's two orientations come from
+    one quantize (its bytes and their transpose, one set of block scales);
+    x's 128 x 1 tiles (along M, for dW) are quantized in the forward."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, sink, config):
+        in_out, fwd_dt, grad_dt, margin, pow2, need_dx, need_dw = config
+        ctx.config = config
+        ctx.has_bias = bias is not None
+        ctx.has_sink = sink is not None
+        ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
+        qx, sx = ops.quantize_tiles(x2d, fwd_dt, False, margin, pow2)
+        qw, qwt, sw = ops.quantize_blocks(weight.detach(), fwd_dt, margin, pow2)
+        # The forward's b is the weight as (N, K); dX's as (K, N).
+        if in_out:  # weight (K, N): q (K, N), q_t (N, K), scales (Kb, Nb)
+            w_fwd, s_fwd, w_bwd, s_bwd = qwt, sw.t(), qw, sw
+        else:  # weight (N, K)
+            w_fwd, s_fwd, w_bwd, s_bwd = qw, sw, qwt, sw.t()
+        y = ops.block_gemm(qx, sx, w_fwd, s_fwd, False, None if bias is None else bias.to(x2d.dtype), x2d.dtype)
+        saved = [w_bwd, s_bwd] if need_dx else [None, None]
+        if need_dw:
+            saved += list(ops.quantize_tiles(x2d, fwd_dt, True, margin, pow2))  # x^T (K, M) in tiles along M
+        else:
+            saved += [None, None]
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        in_out, fwd_dt, grad_dt, margin, pow2, _, _ = ctx.config
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        w_bwd, s_bwd, qxt, sxt = ctx.saved_tensors
+        g2d = g.contiguous()
+        dx = dw = db = dsink = None
+        if need_dx:
+            qg, sg = ops.quantize_tiles(g2d, grad_dt, False, margin, pow2)
+            dx = ops.block_gemm(qg, sg, w_bwd, s_bwd, False, None, x_dtype)
+        if need_dw:
+            qgt, sgt = ops.quantize_tiles(g2d, grad_dt, True, margin, pow2)  # g^T (N, M) in tiles along M
+            dw = (ops.block_gemm(qxt, sxt, qgt, sgt, True, None, w_dtype) if in_out
+                  else ops.block_gemm(qgt, sgt, qxt, sxt, True, None, w_dtype))
+        if ctx.has_bias and need_db:
+            db = g2d.sum(0, dtype=torch.float32).to(b_dtype)
+        if ctx.has_sink:
+            ga = g2d.abs().amax().to(torch.float32)
+            dsink = torch.where(torch.isfinite(ga), ga, torch.zeros_like(ga))
+        return dx, dw, db, dsink, None
+
+
+def _block_fp8_linear(x, weight, bias, fp8_format, margin, power_of_two, weight_layout, sink):
+    """The block-scaled FP8 linear (the arguments checked, not small)."""
+    k = x.shape[-1]
+    in_out = weight_layout == "in_out"
+    n = weight.shape[1] if in_out else weight.shape[0]
+    x2d = x.reshape(-1, k)
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    wd = weight if weight.is_contiguous() else weight.contiguous()
+    fwd_dt, grad_dt = ref.FP8_FORMATS[fp8_format]
+    grad_on = torch.is_grad_enabled()
+    need_dx = grad_on and x.requires_grad
+    need_dw = grad_on and weight.requires_grad
+    config = (in_out, fwd_dt, grad_dt, float(margin), bool(power_of_two), need_dx, need_dw)
+    needs_graph = grad_on and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+                               or sink is not None)
+    if needs_graph:
+        out = _BlockLinearFunction.apply(x2d, wd, bias, sink, config)
+    else:
+        with torch.no_grad():
+            out = _BlockLinearFunction.forward(_NoContext(), x2d, wd, bias, None, config)
+    return out.reshape(*x.shape[:-1], n)
+
+
+class _NoContext:
+    """Stands in for autograd's ctx when no graph is recorded."""
+
+    needs_input_grad = (False, False, False, False, False)
+
+    def save_for_backward(self, *tensors):
+        pass
+
+
 # --------------------------------------------------------------------------- the eager C++ entry
 _T, _P = torch.Tensor, torch.nn.Parameter
 _GRAD_FMT = {"hybrid": 1, "e4m3": 0}
@@ -345,6 +440,7 @@ def fp8_linear(
     weight_layout: str = "out_in",
     training: bool = True,
     min_gemm_size: int | None = None,
+    power_of_two: bool = False,
 ) -> torch.Tensor:
     """FP8 linear: ``x @ W^T + bias`` with FP8 GEMMs and in-place scaling state.
 
@@ -355,10 +451,12 @@ def fp8_linear(
         bias: Optional ``(N,)``.
         state: The layer's ``FP8LinearState``, updated in place when training.
         fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradient) or ``"e4m3"``.
-        scaling: ``"delayed"`` (scales from the amax histories) or
+        scaling: ``"delayed"`` (scales from the amax histories),
             ``"current"`` (each tensor's own amax; a training call stores the
             scale it used, and the state's scale is the fallback for a tensor
-            of zeros).
+            of zeros) or ``"block"`` (a scale per 1 x 128 tile of x and of the
+            output gradient, per 128 x 128 block of the weight, each from its
+            own values; the state is left as it is).
         margin: Scale margin, a number >= 0 (docs/numerics.md).
         amax_compute_algo: ``"max"`` over the history or ``"most_recent"``.
         weight_layout: ``"out_in"`` or ``"in_out"``.
@@ -367,6 +465,8 @@ def fp8_linear(
         min_gemm_size: ``M*N*K`` below which the call runs the compute-dtype
             linear and leaves the state alone (None: ``torch_ops.
             get_settings()``'s).
+        power_of_two: Block scaling only: round each tile's scale up to a
+            power of two.
 
     Returns:
         ``(..., N)`` in x's dtype.
@@ -383,9 +483,9 @@ def fp8_linear(
     kernels = ext is not None or (isinstance(x, torch.Tensor) and extension.kernels_for(x) is not None)
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 1 \
             and _runs_compute_dtype(x, weight, weight_layout, min_gemm_size, kernels):
-        _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout)
+        _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout, power_of_two)
         return _compute_dtype_linear(x, weight, bias, weight_layout)
-    if ext is not None and type(state) is FP8LinearState:
+    if ext is not None and type(state) is FP8LinearState and scaling != "block":
         args = _entry_args(fp8_format, scaling, margin, amax_compute_algo, weight_layout)
         if args is not None:
             grad_fmt, scaling_id, multiplier, algo, in_out = args
@@ -394,8 +494,10 @@ def fp8_linear(
                               settings_lib.get_settings().gemm_autotune)
             if out is not None:
                 return out
-    _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout)
+    _check(x, weight, bias, state, fp8_format, scaling, amax_compute_algo, weight_layout, power_of_two)
     margin = ref.check_margin(margin)
+    if scaling == "block":
+        return _block_fp8_linear(x, weight, bias, fp8_format, margin, power_of_two, weight_layout, None)
     return _python_fp8_linear(x, weight, bias, state, fp8_format, scaling, margin, amax_compute_algo, weight_layout,
                               training, None)
 
@@ -491,6 +593,7 @@ def fp8_linear_folded(
     weight_layout: str = "out_in",
     training: bool = True,
     min_gemm_size: int | None = None,
+    power_of_two: bool = False,
 ) -> torch.Tensor:
     """``fp8_linear`` whose output gradient's amax leaves through a gradient
     channel instead of being recorded by the backward: the Keras layers' call.
@@ -505,7 +608,8 @@ def fp8_linear_folded(
 
     Args:
         x, weight, bias, fp8_format, scaling, margin, amax_compute_algo,
-            weight_layout, training, min_gemm_size: As for ``fp8_linear``.
+            weight_layout, training, min_gemm_size, power_of_two: As for
+            ``fp8_linear``.
         state: ``FP8LinearState``, or its six tensors in field order.
         pending: ``(3,)`` float32 ``[amax, token, loss_scale]`` (read only).
         fold_state: ``(3,)`` float32 ``[folds, last_token, last_loss_scale]``,
@@ -521,9 +625,10 @@ def fp8_linear_folded(
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 1 \
             and _runs_compute_dtype(x, weight, weight_layout, min_gemm_size, kernels):
         check_channel(pending, fold_state)
-        _check(x, weight, bias, _as_state(state), fp8_format, scaling, amax_compute_algo, weight_layout)
+        _check(x, weight, bias, _as_state(state), fp8_format, scaling, amax_compute_algo, weight_layout,
+               power_of_two)
         return _compute_dtype_linear(x, weight, bias, weight_layout)
-    if ext is not None and (window is None or window >= 1):
+    if ext is not None and (window is None or window >= 1) and scaling != "block":
         args = _entry_args(fp8_format, scaling, margin, amax_compute_algo, weight_layout)
         if args is not None:
             tensors = list(state.tensors() if type(state) is FP8LinearState else state)
@@ -537,7 +642,7 @@ def fp8_linear_folded(
     if window is not None and window < 1:
         raise ValueError(f"window: expected >= 1, got {window}")
     s = _as_state(state)
-    _check(x, weight, bias, s, fp8_format, scaling, amax_compute_algo, weight_layout)
+    _check(x, weight, bias, s, fp8_format, scaling, amax_compute_algo, weight_layout, power_of_two)
     margin = ref.check_margin(margin)
     grad_dt = ref.FP8_FORMATS[fp8_format][1]
     token = None
@@ -547,8 +652,12 @@ def fp8_linear_folded(
             amax_compute_algo=amax_compute_algo, window=window, update_scale=scaling == "delayed")
         s = dataclasses.replace(s, grad_scale=grad_scale, grad_amax_history=grad_history)
     sink = pending.requires_grad and torch.is_grad_enabled()
-    y = _python_fp8_linear(x, weight, None if bias is None else bias.to(x.dtype), s, fp8_format, scaling, margin,
-                           amax_compute_algo, weight_layout, training, pending[0] if sink else None)
+    if scaling == "block":
+        y = _block_fp8_linear(x, weight, None if bias is None else bias.to(x.dtype), fp8_format, margin,
+                              power_of_two, weight_layout, pending[0] if sink else None)
+    else:
+        y = _python_fp8_linear(x, weight, None if bias is None else bias.to(x.dtype), s, fp8_format, scaling,
+                               margin, amax_compute_algo, weight_layout, training, pending[0] if sink else None)
     if not sink:
         return y
     if token is None:

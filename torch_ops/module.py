@@ -17,7 +17,7 @@ from .linear import FP8LinearState, check_history_len, check_options, fp8_linear
 
 
 class FP8Linear(torch.nn.Linear):
-    """``nn.Linear`` with FP8 GEMMs and delayed (or current) scaling.
+    """``nn.Linear`` with FP8 GEMMs and delayed, current or block scaling.
 
     Forward and backward are ``torch_ops.fp8_linear`` (the compiled kernels on
     an FP8 GPU, the exact emulation elsewhere). The six state tensors of
@@ -30,12 +30,14 @@ class FP8Linear(torch.nn.Linear):
         in_features, out_features, bias, device, dtype: As in ``nn.Linear``.
         history_len: Length of each amax history (default 1024).
         fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradient) or ``"e4m3"``.
-        scaling: ``"delayed"`` or ``"current"``.
+        scaling: ``"delayed"``, ``"current"`` or ``"block"`` (1 x 128 tiles
+            of x and the output gradient, 128 x 128 weight blocks, no state).
         margin: Scale margin (powers of two).
         amax_compute_algo: ``"max"`` or ``"most_recent"``.
         min_gemm_size: ``M*N*K`` below which a call runs exactly what
             ``nn.Linear`` runs and leaves the FP8 state alone (None:
             ``torch_ops.get_settings()``'s).
+        power_of_two: Block scaling only: power-of-two tile scales.
 
     Example:
 
@@ -46,8 +48,9 @@ class FP8Linear(torch.nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, history_len=1024,
-                 fp8_format="hybrid", scaling="delayed", margin=0.0, amax_compute_algo="max", min_gemm_size=None):
-        check_options(fp8_format, scaling, amax_compute_algo)
+                 fp8_format="hybrid", scaling="delayed", margin=0.0, amax_compute_algo="max", min_gemm_size=None,
+                 power_of_two=False):
+        check_options(fp8_format, scaling, amax_compute_algo, power_of_two)
         check_history_len(history_len)
         settings_lib.check_min_gemm_size(min_gemm_size)
         margin = ref.check_margin(margin)
@@ -58,6 +61,7 @@ class FP8Linear(torch.nn.Linear):
         self.margin = margin
         self.amax_compute_algo = amax_compute_algo
         self.min_gemm_size = min_gemm_size
+        self.power_of_two = power_of_two
 
     def _set_fresh_state(self, history_len, device):
         # Scales 1, empty histories: the state buffers and the object over them.
@@ -113,7 +117,8 @@ class FP8Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.bias, state=self._fp8_state(), fp8_format=self.fp8_format,
                           scaling=self.scaling, margin=self.margin, amax_compute_algo=self.amax_compute_algo,
-                          training=self.training, min_gemm_size=self.min_gemm_size)
+                          training=self.training, min_gemm_size=self.min_gemm_size,
+                          power_of_two=self.power_of_two)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, fp8_format={self.fp8_format!r}, scaling={self.scaling!r}, "

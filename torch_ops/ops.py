@@ -18,6 +18,7 @@ microseconds of host time per call, more than a small kernel.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -185,13 +186,24 @@ def _quantize_tiles(x: torch.Tensor, fp8_dtype: torch.dtype, transposed: bool, m
                     power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """1 x 128 tiles of x's rows (q (R, C), scales (R, ceil(C/128))) or, with
     ``transposed``, of x^T's rows, i.e. of x's columns (q (C, R), scales (C,
-    ceil(R/128)))."""
+    ceil(R/128))). The scales are a strided view (``_tile_scale_storage``)."""
     ext = extension.kernels_for(x)
     if ext is not None:
         return tuple(ext.quantize_tiles(x, _FMT_ID[fp8_dtype], transposed, ref.margin_multiplier(margin),
                                         power_of_two))
-    return ref.quantize_tiles(x.t() if transposed else x, fp8_dtype, axis=1, margin=margin,
-                              power_of_two=power_of_two)
+    q, scales = ref.quantize_tiles(x.t() if transposed else x, fp8_dtype, axis=1, margin=margin,
+                                   power_of_two=power_of_two)
+    out = _tile_scale_storage(scales.shape[0], scales.shape[1], x)
+    out.copy_(scales)
+    return q, out
+
+
+def _tile_scale_storage(rows: int, tiles: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty (rows, tiles) float32 tensor laid out as cuBLASLt's VEC128
+    mode reads tile scales (csrc/block.cu writes them so): per tile, the rows
+    side by side, rows padded to a multiple of 4."""
+    ld = -(-rows // 4) * 4
+    return like.new_empty((tiles, ld), dtype=torch.float32)[:, :rows].t()
 
 
 quantize_tiles_op = torch.library.custom_op("torch_ops::quantize_tiles", mutates_args=())(_quantize_tiles)
@@ -200,7 +212,7 @@ quantize_tiles_op = torch.library.custom_op("torch_ops::quantize_tiles", mutates
 @quantize_tiles_op.register_fake
 def _(x, fp8_dtype, transposed, margin, power_of_two):
     r, c = (x.shape[1], x.shape[0]) if transposed else x.shape
-    return x.new_empty((r, c), dtype=fp8_dtype), x.new_empty((r, -(-c // ref.BLOCK)), dtype=torch.float32)
+    return x.new_empty((r, c), dtype=fp8_dtype), _tile_scale_storage(r, -(-c // ref.BLOCK), x)
 
 
 def _quantize_blocks(w: torch.Tensor, fp8_dtype: torch.dtype, margin: float,
@@ -223,18 +235,33 @@ def _(w, fp8_dtype, margin, power_of_two):
             w.new_empty((-(-r // ref.BLOCK), -(-c // ref.BLOCK)), dtype=torch.float32))
 
 
+_BLOCK_GEMM_WARNED = set()
+
+
 def _block_gemm(a: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor, b_tiles: bool,
                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b_t^T`` of block-scaled operands, ``a`` (M, K) in 1 x 128 tiles
     (``a_scales`` (M, ceil(K/128))), ``b_t`` (N, K) in 1 x 128 tiles
     (``b_tiles``: ``b_scales`` (N, ceil(K/128))) or 128 x 128 blocks
-    (``b_scales`` (ceil(N/128), ceil(K/128)))."""
-    if extension.kernels_for(a) is not None:
-        from . import block_gemm as block_gemm_lib
-
-        out = block_gemm_lib.scaled_mm(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype)
+    (``b_scales`` (ceil(N/128), ceil(K/128))). cuBLASLt's block-scaled GEMM
+    where the kernels serve the device and it has one for the combination
+    (else a one-time warning, unless kernels are required, and the
+    reference)."""
+    ext = extension.kernels_for(a)
+    if ext is not None:
+        out = ext.block_gemm(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype)
         if out is not None:
             return out
+        key = (a.dtype, b_t.dtype, b_tiles, out_dtype)
+        if extension.kernels_required():
+            raise RuntimeError(f"torch_ops: {extension.REQUIRE_VARIABLE}=1, but cuBLASLt has no block-scaled GEMM "
+                               f"for a {a.dtype} x b {b_t.dtype} ({'tiles' if b_tiles else 'blocks'}) -> "
+                               f"{out_dtype} at a {tuple(a.shape)}, b {tuple(b_t.shape)}")
+        if key not in _BLOCK_GEMM_WARNED:
+            _BLOCK_GEMM_WARNED.add(key)
+            warnings.warn(f"torch_ops: cuBLASLt has no block-scaled GEMM for a {a.dtype} x b {b_t.dtype} "
+                          f"({'tiles' if b_tiles else 'blocks'}) -> {out_dtype} on this GPU; the reference runs "
+                          "(correct, slow).", stacklevel=2)
     return ref.block_gemm(a, a_scales, b_t.t(), b_scales.t(), b_tiles=b_tiles, bias=bias, out_dtype=out_dtype)
 
 

@@ -135,6 +135,74 @@ def _fp8_matmul_bwd(recipe, has_bias, residuals, grad):
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
+# --------------------------------------------------------------------------- block scaling
+def _block_matmul_impl():
+    if fp8_gemm_supported():
+        from keras_fp8.backends import jax_block
+
+        return _upcast_small(jax_block.gpu_block_matmul)
+    return numerics.block_matmul
+
+
+def _upcast_small(gpu_matmul):
+    """`gpu_matmul`, except for dots small enough that XLA multiplies them in
+    the operand type (`is_small_dot`): those run the exact emulation."""
+
+    def matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_tiles=False):
+        if is_small_dot(a_q.shape[0], min(a_q.shape[1], numerics.BLOCK), b_q.shape[1]):
+            return numerics.block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias, b_tiles)
+        return gpu_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias, b_tiles)
+
+    return matmul
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _block_fp8_matmul(x, kernel, bias, pending, emit_token, recipe, has_bias):
+    y, _ = numerics.block_forward(x, kernel, recipe, bias if has_bias else None, matmul=_block_matmul_impl())
+    return y
+
+
+def _block_fp8_matmul_fwd(x, kernel, bias, pending, emit_token, recipe, has_bias):
+    y, residuals = numerics.block_forward(x, kernel, recipe, bias if has_bias else None,
+                                          matmul=_block_matmul_impl())
+    protos = (jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype), jnp.zeros((), bias.dtype))
+    return y, (residuals, emit_token, protos)
+
+
+def _block_fp8_matmul_bwd(recipe, has_bias, saved, grad):
+    residuals, emit_token, (x_proto, kernel_proto, bias_proto) = saved
+    dx, dkernel, dpending = numerics.block_backward(grad, residuals, emit_token, recipe, x_proto.dtype,
+                                                    kernel_proto.dtype, matmul=_block_matmul_impl())
+    if has_bias:
+        dbias = jnp.sum(grad.astype(jnp.float32), axis=0).astype(grad.dtype).astype(bias_proto.dtype)
+    else:
+        dbias = jnp.zeros((), bias_proto.dtype)
+    return dx, dkernel, dbias, dpending, jnp.zeros_like(emit_token)
+
+
+_block_fp8_matmul.defvjp(_block_fp8_matmul_fwd, _block_fp8_matmul_bwd)
+
+
+def _block_matmul_call(layer, x, kernel, bias, recipe, training):
+    """The block-scaled matmul: no input or kernel state; the gradient channel
+    still carries the output gradient's amax (recorded by the fold)."""
+    if training:
+        pending = ops.stop_gradient(compat.raw_value(layer.grad_amax_pending))
+        grad_history, grad_scale, fold_state, emit_token = numerics.fold_pending_grad_amax(
+            pending, layer.grad_fold_state.value, layer.grad_amax_history.value, layer.grad_scale.value,
+            recipe.backward_format, recipe)
+        layer.grad_amax_history.assign(grad_history)
+        layer.grad_scale.assign(grad_scale)
+        layer.grad_fold_state.assign(fold_state)
+    else:
+        emit_token = ops.zeros((), "float32")
+    has_bias = bias is not None
+    bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
+    return _block_fp8_matmul(x, kernel, bias_value, compat.raw_value(layer.grad_amax_pending),
+                             ops.stop_gradient(emit_token), recipe, has_bias)
+
+
+# --------------------------------------------------------------------------- per-tensor scaling
 def _operand_scale(layer, role, x, fmt, recipe, training):
     """The scale quantizing operand `role`; records its amax when training."""
     history = getattr(layer, f"{role}_amax_history")
@@ -150,6 +218,8 @@ def _operand_scale(layer, role, x, fmt, recipe, training):
 
 def fp8_matmul(layer, x, kernel, bias, recipe, training):
     """See `keras_fp8.backends`."""
+    if recipe.name == "block":
+        return _block_matmul_call(layer, x, kernel, bias, recipe, training)
     x_scale = _operand_scale(layer, "input", x, recipe.forward_format, recipe, training)
     kernel_scale = _operand_scale(layer, "kernel", kernel, recipe.forward_format, recipe, training)
     if training:

@@ -73,6 +73,7 @@ def _linear_folded(layer, x, kernel, bias, recipe, training, value):
         weight_layout="in_out",
         training=bool(training),
         min_gemm_size=0,  # the layer ran its own min_gemm_size check
+        power_of_two=bool(getattr(recipe, "power_of_two", False)),
     )
 
 

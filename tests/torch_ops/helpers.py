@@ -159,3 +159,33 @@ def run_linear(fn, x, w, b, gy, state, **kwargs):
     y = fn(xx, ww, bb, state=state, **kwargs)
     y.backward(gy)
     return y.detach(), xx.grad, ww.grad, None if bb is None else bb.grad
+
+
+def reference_block_linear(x, w, b, gy, *, fp8_format="e4m3", margin=0.0, power_of_two=False,
+                           weight_layout="out_in"):
+    """One call of the block-scaled FP8 linear composed from
+    `torch_ops.reference`: x in 1 x 128 tiles along K, W in 128 x 128 blocks;
+    the gradient in 1 x 128 tiles along N (dX) and 128 x 1 tiles along M
+    (dW, against x's 128 x 1 tiles).
+
+    Returns:
+        `(y, dx, dw, db)`.
+    """
+    fwd_dt, grad_dt = ref.FP8_FORMATS[fp8_format]
+    kw = dict(margin=margin, power_of_two=power_of_two)
+    k = x.shape[-1]
+    x2d = x.reshape(-1, k)
+    w_kn = w if weight_layout == "in_out" else w.t()
+    qx, sx = ref.quantize_tiles(x2d, fwd_dt, axis=1, **kw)
+    qw, sw = ref.quantize_blocks(w_kn, fwd_dt, **kw)  # blocks of W are blocks of W^T, transposed
+    bias = None if b is None else b.to(x.dtype)
+    y = ref.block_gemm(qx, sx, qw, sw, bias=bias, out_dtype=x.dtype)
+    g2d = gy.reshape(-1, y.shape[-1])
+    qg, sg = ref.quantize_tiles(g2d, grad_dt, axis=1, **kw)
+    dx = ref.block_gemm(qg, sg, qw.t(), sw.t(), out_dtype=x.dtype)
+    qxc, sxc = ref.quantize_tiles(x2d, fwd_dt, axis=0, **kw)  # (M, K), scales (Mb, K)
+    qgc, sgc = ref.quantize_tiles(g2d, grad_dt, axis=0, **kw)  # (M, N), scales (Mb, N)
+    dw_kn = ref.block_gemm(qxc.t(), sxc.t(), qgc, sgc, b_tiles=True, out_dtype=w.dtype)
+    dw = dw_kn if weight_layout == "in_out" else dw_kn.t()
+    db = None if b is None else g2d.float().sum(0).to(b.dtype)
+    return y.reshape(*x.shape[:-1], -1), dx.reshape(x.shape), dw, db

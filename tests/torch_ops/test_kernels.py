@@ -528,3 +528,93 @@ class FoldKernelTest(parameterized.TestCase):
         for g, w in zip((h, s, fs), want):
             np.testing.assert_array_equal(g.cpu().numpy(), w.numpy())
         self.assertEqual(h[:5].tolist(), [15.0, 12.0, 9.0, 6.0, 3.0])
+
+
+BLOCK_SHAPES = [(1, 1), (5, 300), (128, 256), (130, 129), (4097, 1000), (16384, 4096)]
+
+
+class BlockQuantizeKernelTest(parameterized.TestCase):
+    """csrc/block.cu against reference.quantize_tiles / quantize_blocks: the
+    same bytes and the same scales."""
+
+    @parameterized.product(shape=BLOCK_SHAPES, in_dtype=[torch.bfloat16, torch.float16, torch.float32],
+                           dt=[E4M3, E5M2], power_of_two=[False, True])
+    def test_tiles_equal_reference(self, shape, in_dtype, dt, power_of_two):
+        if shape[0] * shape[1] > 1e7 and (in_dtype != torch.bfloat16 or dt != E4M3):
+            self.skipTest("large shape: one combination is enough")
+        x = rand(shape, in_dtype, scale=30.0, seed=shape[0])
+        for transposed in (False, True):
+            poison()
+            q, s = ops.quantize_tiles(x, dt, transposed, 1.0, power_of_two)
+            rq, rs = ref.quantize_tiles(x.t() if transposed else x, dt, axis=1, margin=1.0,
+                                        power_of_two=power_of_two)
+            assert_same_fp8(q, rq)
+            assert_same_f32(s, rs)
+
+    @parameterized.product(magnitude=[1e-36, 1e-3, 1e30], in_dtype=[torch.float32, torch.bfloat16])
+    def test_tiles_tiny_and_huge(self, magnitude, in_dtype):
+        x = (rand((300, 520), torch.float32, scale=1.0, special=False, seed=3) * magnitude).to(in_dtype)
+        for transposed in (False, True):
+            q, s = ops.quantize_tiles(x, E4M3, transposed, 0.0, False)
+            rq, rs = ref.quantize_tiles(x.t() if transposed else x, E4M3, axis=1)
+            assert_same_fp8(q, rq)
+            assert_same_f32(s, rs)
+
+    @parameterized.product(shape=BLOCK_SHAPES, in_dtype=[torch.bfloat16, torch.float32], dt=[E4M3, E5M2],
+                           power_of_two=[False, True])
+    def test_blocks_equal_reference(self, shape, in_dtype, dt, power_of_two):
+        w = rand(shape, in_dtype, scale=0.05, seed=shape[1])
+        poison()
+        q, qt, s = ops.quantize_blocks(w, dt, 0.0, power_of_two)
+        rq, rs = ref.quantize_blocks(w, dt, power_of_two=power_of_two)
+        assert_same_fp8(q, rq)
+        assert_same_fp8(qt, rq.t().contiguous())
+        assert_same_f32(s, rs)
+
+    def test_scale_layout_is_the_gemm_layout(self):
+        q, s = ops.quantize_tiles(rand((6, 300), torch.bfloat16, seed=1), E4M3, False, 0.0, False)
+        self.assertEqual(tuple(s.shape), (6, 3))
+        self.assertEqual(s.stride(), (1, 8))  # per tile, the rows side by side, padded to 4
+
+
+class BlockGemmKernelTest(parameterized.TestCase):
+    """cuBLASLt's block-scaled GEMM (csrc/gemm.cpp block_gemm) against
+    reference.block_gemm, element by element."""
+
+    @parameterized.product(mkn=[(1, 16, 16), (17, 300, 33), (256, 512, 128), (4095, 4097, 129),
+                                (16384, 4096, 4096)],
+                           types=[(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], b_tiles=[False, True],
+                           out_dtype=[torch.bfloat16, torch.float32], bias=[False, True])
+    def test_block_gemm_matches_reference(self, mkn, types, b_tiles, out_dtype, bias):
+        M, K, N = mkn
+        if M * K * N > 1e10 and (types != (E4M3, E4M3) or out_dtype != torch.bfloat16 or bias):
+            self.skipTest("large shape: one combination is enough")
+        a = rand((M, K), torch.float32, scale=3.0, special=False, seed=1)
+        a = a * torch.exp2(torch.randint(-20, 20, (M, 1), device=a.device).float())
+        b = rand((N, K), torch.float32, scale=0.1, special=False, seed=2)
+        qa, sa = ops.quantize_tiles(a, types[0], False, 0.0, False)
+        if b_tiles:
+            qb, sb = ops.quantize_tiles(b, types[1], False, 0.0, False)
+        else:
+            qb, _, sb = ops.quantize_blocks(b, types[1], 0.0, False)
+        bb = rand((N,), torch.float32, special=False, seed=3).to(torch.bfloat16) if bias else None
+        poison()
+        out = ops.block_gemm(qa, sa, qb, sb, b_tiles, bb, out_dtype)
+        want = ref.block_gemm(qa, sa, qb.t(), sb.t(), b_tiles=b_tiles, bias=bb, out_dtype=torch.float32)
+        self.assertEqual(out.dtype, out_dtype)
+        assert_gemm_close(out, want, out_dtype, fast=False)
+
+    def test_strided_and_padded_scales(self):
+        qa, sa = ops.quantize_tiles(rand((64, 384), torch.bfloat16, special=False, seed=4), E4M3, False, 0.0, False)
+        qb, _, sb = ops.quantize_blocks(rand((256, 384), torch.bfloat16, special=False, seed=5), E4M3, 0.0, False)
+        want = ref.block_gemm(qa, sa, qb.t(), sb.t(), out_dtype=torch.float32)
+        # Contiguous copies of the scales (not the kernels' layout) give the same product.
+        out = ops.block_gemm(qa, sa.contiguous(), qb, sb.t().contiguous().t(), False, None, torch.float32)
+        assert_gemm_close(out, want, torch.float32, fast=False)
+
+    def test_registered_op_equals_eager_call(self):
+        qa, sa = ops.quantize_tiles(rand((128, 256), torch.bfloat16, special=False, seed=6), E4M3, False, 0.0, False)
+        qb, _, sb = ops.quantize_blocks(rand((128, 256), torch.bfloat16, special=False, seed=7), E4M3, 0.0, False)
+        eager = ops.block_gemm(qa, sa, qb, sb, False, None, torch.bfloat16)
+        registered = torch.ops.torch_ops.block_gemm(qa, sa, qb, sb, False, None, torch.bfloat16)
+        self.assertTrue(torch.equal(eager, registered))

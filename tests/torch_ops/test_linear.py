@@ -25,6 +25,7 @@ from tests.torch_ops.helpers import kernels_required  # noqa: F401 (fixture)
 from tests.torch_ops.helpers import needs_fp8_gpu
 from tests.torch_ops.helpers import poison
 from tests.torch_ops.helpers import rand
+from tests.torch_ops.helpers import reference_block_linear
 from tests.torch_ops.helpers import reference_linear
 from tests.torch_ops.helpers import run_linear
 
@@ -122,6 +123,116 @@ class CompilePathTest(parameterized.TestCase):
             results.append((y.detach(), x.grad, w.grad, b.grad) + st.tensors())
         for u, v in zip(*results):
             self.assertTrue(torch.equal(u, v))
+
+
+
+def _check_block_against_reference(device, mkn, layout, fmt, power_of_two, dtype=torch.bfloat16, margin=0.0,
+                                   fn=None):
+    M, K, N = mkn
+    x, w, b, gy = make(M, K, N, layout, dtype=dtype, device=device)
+    st = torch_ops.FP8LinearState.create(4, device=device)
+    st_ref = clone_state(st)
+    kw = dict(weight_layout=layout, fp8_format=fmt, scaling="block", power_of_two=power_of_two, margin=margin,
+              min_gemm_size=0)
+    if device == "cuda":
+        poison()
+    got = run_linear(fn or torch_ops.fp8_linear, x, w, b, gy, st, **kw)
+    want = reference_block_linear(x, w, b, gy, fp8_format=fmt, margin=margin, power_of_two=power_of_two,
+                                  weight_layout=layout)
+    for name, g, r in zip(("y", "dx", "dw", "db"), got, want):
+        assert g.dtype == r.dtype and g.shape == r.shape, (name, g.dtype, r.dtype, g.shape, r.shape)
+        if device == "cuda" and name != "db":
+            # cuBLASLt's block-scaled GEMMs accumulate in float32 per 128-long
+            # stretch (no fast accumulation in these modes).
+            assert_gemm_close(g, r, r.dtype, fast=False, msg=name)
+        else:
+            assert_close(g, r, 2**-7, msg=name)
+    assert_same_state(st, st_ref)  # block scaling keeps no state
+
+
+class BlockLinearTest(parameterized.TestCase):
+    """scaling="block" (the custom ops over the reference, on CPU)."""
+
+    @parameterized.product(mkn=[(17, 300, 33), (128, 256, 128), (1, 16, 8)], layout=["out_in", "in_out"],
+                           fmt=["e4m3", "hybrid"], power_of_two=[False, True])
+    def test_equals_the_reference(self, mkn, layout, fmt, power_of_two):
+        _check_block_against_reference("cpu", mkn, layout, fmt, power_of_two)
+
+    def test_margin_and_float32(self):
+        _check_block_against_reference("cpu", (40, 200, 24), "in_out", "e4m3", False, dtype=torch.float32,
+                                       margin=2.0)
+
+    def test_torch_compile_equals_eager(self):
+        def fwd(x, w, state):
+            return torch_ops.fp8_linear(x, w, state=state, scaling="block", min_gemm_size=0)
+
+        results = []
+        for f in (fwd, torch.compile(fwd, backend="aot_eager", fullgraph=True)):
+            st = torch_ops.FP8LinearState.create(4)
+            x = rand((2, 5, 160), torch.float32, scale=1.0, special=False, seed=7, device="cpu").requires_grad_()
+            w = rand((12, 160), torch.float32, scale=1.0, special=False, seed=8, device="cpu").requires_grad_()
+            y = f(x, w, st)
+            (y * y).sum().backward()
+            results.append((y.detach(), x.grad, w.grad))
+        for u, v in zip(*results):
+            self.assertTrue(torch.equal(u, v))
+
+    def test_non_finite_values_stay_in_their_tiles(self):
+        x, w, b, gy = make(4, 256, 8, device="cpu")
+        x = x.clone()
+        x[1, 3] = float("inf")
+        st = torch_ops.FP8LinearState.create(4)
+        y = torch_ops.fp8_linear(x, w, b, state=st, scaling="block", min_gemm_size=0)
+        self.assertTrue(bool(torch.isnan(y[1]).all()))
+        self.assertTrue(bool(torch.isfinite(y[[0, 2, 3]]).all()))
+
+    def test_folded_emits_the_gradient_amax(self):
+        x, w, b, gy = make(16, 160, 24, "in_out", device="cpu")
+        st = torch_ops.FP8LinearState.create(1)
+        pending = torch.zeros(3, requires_grad=True)
+        fold_state = torch.zeros(3)
+        xx = x.clone().requires_grad_()
+        y = torch_ops.fp8_linear_folded(xx, w, b, state=st, pending=pending, fold_state=fold_state,
+                                        scaling="block", weight_layout="in_out", min_gemm_size=0)
+        y.backward(gy)
+        self.assertEqual(float(pending.grad[0]), float(gy.float().abs().max()))
+        self.assertEqual(float(pending.grad[1]), 1.0)  # the token of the first fold
+        want = reference_block_linear(x, w, b, gy, fp8_format="hybrid", weight_layout="in_out")
+        assert_close(y.detach(), want[0], 2**-7)
+        assert_close(xx.grad, want[1], 2**-7)
+
+    def test_module_and_convert(self):
+        model = torch.nn.Sequential(torch.nn.Linear(160, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        torch_ops.convert_to_fp8(model, scaling="block", fp8_format="e4m3", power_of_two=True, min_gemm_size=0)
+        self.assertEqual(model[0].scaling, "block")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(32, 160)
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+        self.assertTrue(bool(torch.isfinite(loss)))
+
+    @parameterized.parameters(
+        (dict(power_of_two=True), "power_of_two: applies to scaling='block'"),
+        (dict(scaling="block", power_of_two=1), "power_of_two: expected a bool"),
+    )
+    def test_bad_options_are_named(self, kwargs, message):
+        with self.assertRaisesRegex(ValueError, message):
+            torch_ops.fp8_linear(torch.randn(4, 8), torch.randn(8, 8), state=torch_ops.FP8LinearState.create(4),
+                                 min_gemm_size=0, **kwargs)
+        with self.assertRaisesRegex(ValueError, message):
+            torch_ops.FP8Linear(8, 8, **kwargs)
+
+    def test_empty_batch(self):
+        st = torch_ops.FP8LinearState.create(4)
+        x = torch.zeros(0, 160, requires_grad=True)
+        w = torch.randn(8, 160, requires_grad=True)
+        y = torch_ops.fp8_linear(x, w, state=st, scaling="block", min_gemm_size=0)
+        self.assertEqual(tuple(y.shape), (0, 8))
+        y.sum().backward()
+        self.assertEqual(float(w.grad.abs().sum()), 0.0)
 
 
 class ComputeDtypeTest(parameterized.TestCase):
@@ -409,3 +520,43 @@ class GpuLinearTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "weight:"):
             torch_ops.fp8_linear(torch.randn(4, 8, device="cuda"), torch.randn(4, 8), state=st, min_gemm_size=0)
 
+
+@needs_fp8_gpu
+@pytest.mark.usefixtures("kernels_required")
+class GpuBlockLinearTest(parameterized.TestCase):
+    """scaling="block" on the kernels (block quantize, cuBLASLt's block-scaled
+    GEMMs) against the reference."""
+
+    @parameterized.product(mkn=[(17, 300, 33), (4095, 4097, 129), (2048, 1024, 512), (16384, 4096, 4096)],
+                           layout=["out_in", "in_out"], fmt=["e4m3", "hybrid"], power_of_two=[False, True])
+    def test_equals_the_reference(self, mkn, layout, fmt, power_of_two):
+        M, K, N = mkn
+        if M * K * N > 1e11 and (layout != "out_in" or fmt != "e4m3" or power_of_two):
+            self.skipTest("large shape: one combination is enough")
+        _check_block_against_reference("cuda", mkn, layout, fmt, power_of_two)
+
+    def test_folded_on_cuda(self):
+        x, w, b, gy = make(512, 384, 256, "in_out", device="cuda")
+        st = torch_ops.FP8LinearState.create(1, device="cuda")
+        pending = torch.zeros(3, device="cuda", requires_grad=True)
+        fold_state = torch.zeros(3, device="cuda")
+        xx = x.clone().requires_grad_()
+        y = torch_ops.fp8_linear_folded(xx, w, b, state=st, pending=pending, fold_state=fold_state,
+                                        scaling="block", weight_layout="in_out", min_gemm_size=0)
+        y.backward(gy)
+        self.assertEqual(float(pending.grad[0]), float(gy.float().abs().max()))
+        want = reference_block_linear(x, w, b, gy, fp8_format="hybrid", weight_layout="in_out")
+        assert_gemm_close(y.detach(), want[0], y.dtype, fast=False)
+        assert_gemm_close(xx.grad, want[1], xx.dtype, fast=False)
+
+    def test_torch_compile_on_cuda(self):
+        x, w, b, gy = make(1024, 512, 256, device="cuda")
+        st = torch_ops.FP8LinearState.create(1, device="cuda")
+
+        def fwd(x, w, b):
+            return torch_ops.fp8_linear(x, w, b, state=st, scaling="block", min_gemm_size=0)
+
+        got = run_linear(lambda x, w, b, state: torch.compile(fwd)(x, w, b), x, w, b, gy, st)
+        want = run_linear(lambda x, w, b, state: fwd(x, w, b), x, w, b, gy, st)
+        for u, v in zip(got, want):
+            self.assertTrue(torch.equal(u, v))

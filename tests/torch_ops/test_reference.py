@@ -248,3 +248,46 @@ class ConstantsTest(parameterized.TestCase):
                 self.assertFalse((node.module or "").startswith("torch_ops"))
             if isinstance(node, ast.Import):
                 self.assertFalse(any(a.name.startswith("torch_ops") for a in node.names))
+
+
+class BlockReferenceTest(parameterized.TestCase):
+    """The block-scaling reference against tests/reference.py (NumPy): the
+    same bytes and scales."""
+
+    @parameterized.product(shape=[(128, 256), (130, 300), (3, 5)], dt=[E4M3, E5M2], power_of_two=[False, True],
+                           magnitude=[1e-36, 1.0, 1e30])
+    def test_tiles_and_blocks_match_numpy(self, shape, dt, power_of_two, magnitude):
+        from tests import reference as np_ref
+
+        fmt = "e4m3" if dt == E4M3 else "e5m2"
+        torch.manual_seed(shape[0] + shape[1])
+        x = torch.randn(shape)
+        x = _special(torch.sign(x) * (x.abs() + 1) * magnitude)
+        for axis in (0, 1):
+            q, s = ref.quantize_tiles(x, dt, axis=axis, margin=1.0, power_of_two=power_of_two)
+            q_np, s_np = np_ref.quantize_tiles(x.numpy(), fmt, axis, 1.0, power_of_two)
+            np.testing.assert_array_equal(s.numpy(), s_np)
+            got, want = q.float().numpy(), q_np.astype(F32)
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+            np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+        q, s = ref.quantize_blocks(x, dt, margin=0.0, power_of_two=power_of_two)
+        q_np, s_np = np_ref.quantize_blocks(x.numpy(), fmt, 0.0, power_of_two)
+        np.testing.assert_array_equal(s.numpy(), s_np)
+        got, want = q.float().numpy(), q_np.astype(F32)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+
+    @parameterized.parameters((64, 256, 128, False), (33, 300, 129, True), (130, 128, 5, False))
+    def test_block_gemm_matches_numpy(self, m, k, n, b_tiles):
+        from tests import reference as np_ref
+
+        torch.manual_seed(m + k + n)
+        a = torch.randn(m, k) * torch.exp2(torch.randint(-20, 20, (m, 1)).float())
+        b = torch.randn(k, n)
+        qa, sa = ref.quantize_tiles(a, E4M3, axis=1)
+        qb, sb = ref.quantize_tiles(b, E5M2, axis=0) if b_tiles else ref.quantize_blocks(b, E4M3)
+        got = ref.block_gemm(qa, sa, qb, sb, b_tiles=b_tiles, out_dtype=torch.float32).double().numpy()
+        want = np_ref.block_matmul(qa.float().numpy(), sa.numpy(), qb.float().numpy(), sb.numpy(), b_tiles)
+        bound = np_ref.block_matmul(np.abs(qa.float().numpy()), sa.numpy(), np.abs(qb.float().numpy()),
+                                    sb.numpy(), b_tiles) * k * 2.0**-23
+        self.assertTrue(np.all(np.abs(got - want) <= bound + 1e-45))
