@@ -127,3 +127,42 @@ def test_tiny_products_stay_finite_and_exact():
     _, ((_, _), grads) = _compiled_train_step_text(model, x, upstream)
     for variable, grad in zip(model.trainable_variables, grads[0]):
         assert np.all(np.isfinite(np.asarray(grad, np.float32))), variable.path
+
+
+@pytest.mark.parametrize("mkn", [(512, 1024, 384), (300, 520, 200), (4096, 4096, 4096)])
+@pytest.mark.parametrize("b_tiles", [False, True])
+def test_block_scaled_matmul_on_the_gpu(mkn, b_tiles):
+    # The GPU path of block scaling (the Pallas kernel, or the scan where it
+    # does not compile) against the exact emulation, element by element.
+    import jax.numpy as jnp
+
+    from keras_fp8 import numerics
+    from keras_fp8.backends import jax_block
+
+    m, k, n = mkn
+    a = jnp.asarray(rng_normal((m, k), 1, 3.0))
+    b = jnp.asarray(rng_normal((k, n), 2, 0.1))
+    a_q, a_s = numerics.quantize_tiles(a, "e4m3", 1)
+    if b_tiles:
+        b_q, b_s = numerics.quantize_tiles(b, "e5m2", 0)
+    else:
+        b_q, b_s = numerics.quantize_blocks(b, "e4m3")
+    bias = jnp.asarray(rng_normal((n,), 3))
+    want = np.asarray(numerics.block_matmul(a_q, a_s, b_q, b_s, "float32", bias, b_tiles), np.float64)
+    got = np.asarray(jax_block.gpu_block_matmul(a_q, a_s, b_q, b_s, jnp.bfloat16, bias, b_tiles), np.float64)
+    rms = np.sqrt(np.mean(want**2))
+    assert np.all(np.abs(got - want) <= 2.0**-9 * rms + 2.0**-7 * np.abs(want))
+    print("pallas failed for:", sorted(jax_block._PALLAS_FAILED))
+
+
+def test_block_scaled_layer_trains_on_the_gpu():
+    keras.utils.set_random_seed(0)
+    policy = "fp8_e4m3[scaling=block,min_gemm_size=0]"
+    model = keras.Sequential([keras.Input((512,)), keras_fp8.layers.FP8Dense(384, activation="relu", dtype=policy),
+                              keras_fp8.layers.FP8Dense(16, dtype=policy)])
+    model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = rng_normal((1024, 512), 0)
+    y = np.arange(1024) % 16
+    history = model.fit(x, y, batch_size=256, epochs=3, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert history.history["loss"][-1] < history.history["loss"][0]
