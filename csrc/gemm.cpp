@@ -525,14 +525,24 @@ at::Tensor blk128_scales(const at::Tensor& s, long long rows, long long blocks, 
   return out.narrow(1, 0, blocks);
 }
 
-using BlockKey = std::array<int64_t, 11>;
+using BlockKey = std::array<int64_t, 10>;
 struct BlockPlan {
   cublasLtMatmulAlgo_t algo;
   bool bias_fused;
+  bool pad_rows;  // M and N padded to multiples of 128 (some shapes need it)
   std::shared_ptr<Descs> ds;
 };
 std::map<BlockKey, BlockPlan> g_block_plans;
 std::map<BlockKey, bool> g_block_unsupported;
+
+long long round128(long long v) { return (v + 127) / 128 * 128; }
+
+// `t` (rows, K) with zero rows appended up to `rows`.
+at::Tensor pad_rows_to(const at::Tensor& t, long long rows) {
+  if (t.size(0) == rows) return t;
+  at::Tensor u = at::constant_pad_nd(t.view(at::kByte), {0, 0, 0, rows - t.size(0)}, 0);
+  return u.view(t.scalar_type());
+}
 
 }  // namespace
 
@@ -549,6 +559,7 @@ at::Tensor block_gemm(const at::Tensor& a_in, const at::Tensor& a_scales, const 
   const DeviceScope device_scope(a_in);
   const long long M = a_in.size(0), N = b_in.size(0), K = a_in.size(1);
   const long long kt = (K + 127) / 128;
+  // Validated in the layout given (a view where csrc/block.cu wrote them).
   at::Tensor sa = vec128_scales(a_scales, M, kt, "a_scales");
   at::Tensor sb = b_tiles ? vec128_scales(b_scales, N, kt, "b_scales")
                           : blk128_scales(b_scales, (N + 127) / 128, kt, "b_scales");
@@ -564,18 +575,18 @@ at::Tensor block_gemm(const at::Tensor& a_in, const at::Tensor& a_scales, const 
     if (bias) z = z + bias->to(at::kFloat);
     return z.to(od);
   }
-  const long long Kp = round16(K);
-  at::Tensor a = prepare_operand(a_in, Kp);
-  at::Tensor b = prepare_operand(b_in, Kp);
-  const long long lda = a.stride(0), ldb = b.stride(0);
-  const long long Np = round16(N);
+  // cuBLASLt's block-scaled kernels take K in whole 128-long tiles: a ragged
+  // K is zero padded (zeros add nothing; the tile count is unchanged).
+  const long long Kp = kt * 128;
   const bool want_bias_fused = bias.has_value() && od != at::kFloat;
   const cudaDataType_t tbias = od == at::kHalf ? CUDA_R_16F : CUDA_R_16BF;
-  const BlockKey key = {(int64_t)a.get_device(), M, N, Kp, lda, ldb, (int64_t)ta, (int64_t)tb, (int64_t)td,
-                        (int64_t)want_bias_fused, (int64_t)b_tiles};
+  const at::Tensor a0 = prepare_operand(a_in, Kp), b0 = prepare_operand(b_in, Kp);
+  const BlockKey key = {(int64_t)a_in.get_device(), M, N, Kp, a0.stride(0), b0.stride(0), (int64_t)ta, (int64_t)tb,
+                        (int64_t)td, (int64_t)want_bias_fused * 2 + (int64_t)b_tiles};
   const int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-  const int32_t mode_b = b_tiles ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-  cublasLtHandle_t handle = lt_handle(a.get_device());
+  const int32_t mode_b =
+      b_tiles ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  cublasLtHandle_t handle = lt_handle(a_in.get_device());
   BlockPlan plan;
   bool have = false;
   {
@@ -587,23 +598,41 @@ at::Tensor block_gemm(const at::Tensor& a_in, const at::Tensor& a_scales, const 
       have = true;
     }
   }
+  // The operands as this plan lays them out (padded rows where it needs them).
+  auto operands = [&](bool pad, at::Tensor& a, at::Tensor& b, at::Tensor& sa_p, at::Tensor& sb_p, long long& Mp,
+                      long long& Nr) {
+    Mp = pad ? round128(M) : M;
+    Nr = pad ? round128(N) : N;
+    a = pad_rows_to(a0, Mp);
+    b = pad_rows_to(b0, Nr);
+    sa_p = Mp == M ? sa : vec128_scales(at::constant_pad_nd(a_scales, {0, 0, 0, Mp - M}, 1.0), Mp, kt, "a_scales");
+    sb_p = sb;
+    if (b_tiles && Nr != N)
+      sb_p = vec128_scales(at::constant_pad_nd(b_scales, {0, 0, 0, Nr - N}, 1.0), Nr, kt, "b_scales");
+  };
+  at::Tensor a, b, sa_p, sb_p;
+  long long Mp = M, Nr = N;
   if (!have) {
-    for (int attempt = 0; attempt < 2 && !have; ++attempt) {
-      const bool fused = want_bias_fused && attempt == 0;
-      if (attempt == 1 && !want_bias_fused) break;
-      auto ds = std::make_shared<Descs>();
-      make_descs(*ds, ta, tb, td, M, N, Kp, lda, ldb, Np, false, sa.data_ptr<float>(), sb.data_ptr<float>(),
-                 fused ? bias->data_ptr() : nullptr, tbias, mode_a, mode_b);
-      cublasLtMatmulHeuristicResult_t res{};
-      int count = 0;
-      if (cublasLtMatmulAlgoGetHeuristic(handle, ds->op, ds->a, ds->b, ds->d, ds->d, ds->pref, 1, &res, &count) !=
-              CUBLAS_STATUS_SUCCESS ||
-          count < 1 || res.state != CUBLAS_STATUS_SUCCESS || res.workspaceSize > kWorkspaceBytes)
-        continue;
-      plan.algo = res.algo;
-      plan.bias_fused = fused;
-      plan.ds = ds;
-      have = true;
+    for (int pad = 0; pad < 2 && !have; ++pad) {
+      operands(pad == 1, a, b, sa_p, sb_p, Mp, Nr);
+      for (int attempt = 0; attempt < 2 && !have; ++attempt) {
+        const bool fused = want_bias_fused && attempt == 0;
+        if (attempt == 1 && !want_bias_fused) break;
+        auto ds = std::make_shared<Descs>();
+        make_descs(*ds, ta, tb, td, Mp, Nr, Kp, a.stride(0), b.stride(0), round16(Nr), false, sa_p.data_ptr<float>(),
+                   sb_p.data_ptr<float>(), fused ? bias->data_ptr() : nullptr, tbias, mode_a, mode_b);
+        cublasLtMatmulHeuristicResult_t res{};
+        int count = 0;
+        if (cublasLtMatmulAlgoGetHeuristic(handle, ds->op, ds->a, ds->b, ds->d, ds->d, ds->pref, 1, &res, &count) !=
+                CUBLAS_STATUS_SUCCESS ||
+            count < 1 || res.state != CUBLAS_STATUS_SUCCESS || res.workspaceSize > kWorkspaceBytes)
+          continue;
+        plan.algo = res.algo;
+        plan.bias_fused = fused;
+        plan.pad_rows = pad == 1;
+        plan.ds = ds;
+        have = true;
+      }
     }
     std::lock_guard<std::mutex> lk(g_mu);
     if (!have) {
@@ -613,28 +642,31 @@ at::Tensor block_gemm(const at::Tensor& a_in, const at::Tensor& a_scales, const 
       return at::Tensor();
     }
     plan = g_block_plans.emplace(key, plan).first->second;
+  } else {
+    operands(plan.pad_rows, a, b, sa_p, sb_p, Mp, Nr);
   }
   // Without a fused bias the GEMM writes float32 and the bias is added
   // before the one rounding to the output dtype.
-  const bool f32_out = bias.has_value() && !plan.bias_fused && od != at::kFloat;
-  if (f32_out) {
-    at::Tensor acc = block_gemm(a, sa, b, sb, b_tiles, c10::nullopt, at::kFloat);
+  if (bias.has_value() && !plan.bias_fused && od != at::kFloat) {
+    at::Tensor acc = block_gemm(a_in, a_scales, b_in, b_scales, b_tiles, c10::nullopt, at::kFloat);
     if (!acc.defined()) return acc;
     return (acc + bias->to(at::kFloat)).to(od);
   }
-  at::Tensor out = at::empty({M, Np}, a.options().dtype(od));
+  const long long ldd = round16(Nr);
+  at::Tensor out = at::empty({Mp, ldd}, a.options().dtype(od));
   const float alpha = 1.0f, beta = 0.0f;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   void* ws = lt_workspace(a, stream);
   {
     std::lock_guard<std::mutex> lk(g_mu);
     Descs& ds = *plan.ds;
-    set_call_pointers(ds, sa.data_ptr<float>(), sb.data_ptr<float>(), plan.bias_fused ? bias->data_ptr() : nullptr);
+    set_call_pointers(ds, sa_p.data_ptr<float>(), sb_p.data_ptr<float>(),
+                      plan.bias_fused ? bias->data_ptr() : nullptr);
     TORCH_OPS_CUBLAS_CHECK(cublasLtMatmul(handle, ds.op, &alpha, b.data_ptr(), ds.a, a.data_ptr(), ds.b, &beta,
                                           out.data_ptr(), ds.d, out.data_ptr(), ds.d, &plan.algo, ws,
                                           kWorkspaceBytes, stream));
   }
-  if (Np != N) out = out.narrow(1, 0, N).contiguous();
+  if (Mp != M || ldd != N) out = out.narrow(0, 0, M).narrow(1, 0, N).contiguous();
   if (bias.has_value() && !plan.bias_fused) out.add_(bias->to(od));
   return out;
 }

@@ -25,9 +25,12 @@ def _jax_fp8_gpu():
     return jax_backend.fp8_gemm_supported()
 
 
-pytestmark = pytest.mark.skipif(
-    not _jax_fp8_gpu(), reason="needs the JAX backend on an FP8 GPU"
-)
+# FP8 at the tests' small sizes too (conftest.py): on a GPU the default
+# threshold runs them in the compute dtype.
+pytestmark = [
+    pytest.mark.skipif(not _jax_fp8_gpu(), reason="needs the JAX backend on an FP8 GPU"),
+    pytest.mark.usefixtures("fp8_at_every_size"),
+]
 
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?([a-z0-9]+)\[")

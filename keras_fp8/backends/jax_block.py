@@ -11,7 +11,9 @@ operand), so on an FP8 GPU two real FP8 paths exist, in order of preference
   each operand per K step, multiplies them with an FP8 `dot` and adds the
   product scaled by the slab's row and column scales: the scales are applied
   per K step inside the kernel, as in DeepSeek's and TransformerEngine's
-  block-scaled GEMMs.
+  block-scaled GEMMs. Pallas's `dot` takes one operand type, so the E4M3 x
+  E5M2 products of the hybrid format widen both slabs to bfloat16 (exact)
+  and multiply at bfloat16 rate.
 - `scan_block_matmul`: a `lax.scan` over the K blocks, one FP8
   `dot_general` (an XLA FP8 GEMM) per block, each partial scaled and added to
   a float32 accumulator in HBM. Correct everywhere; slow (every K step
@@ -46,7 +48,13 @@ def _column_scales(b_scales, n, b_tiles):
     return jnp.repeat(b_scales.astype(jnp.float32), BLOCK, axis=1)[:, :n]
 
 
-def _block_kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, k_blocks):
+# Triton launch settings of the kernel (warps per program, software pipeline
+# stages), measured on an H200 (docs/benchmarks.md).
+NUM_WARPS = 8
+NUM_STAGES = 4
+
+
+def _block_kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, k_blocks, widen):
     # a_ref (TILE_M, Kp) FP8, sa_ref (Kb padded, TILE_M), b_ref (Kp, TILE_N) FP8,
     # sb_ref (Kb padded, TILE_N), o_ref (TILE_M, TILE_N) float32.
     from jax.experimental import pallas as pl
@@ -54,6 +62,10 @@ def _block_kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, k_blocks):
     def step(k, acc):
         a = a_ref[:, pl.ds(k * BLOCK, BLOCK)]
         b = b_ref[pl.ds(k * BLOCK, BLOCK), :]
+        if widen:
+            # E4M3 x E5M2: Pallas's dot takes one operand type; both FP8
+            # formats widen to bfloat16 exactly (a bfloat16 dot on FP8 data).
+            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
         part = jnp.dot(a, b, preferred_element_type=jnp.float32)
         row_scale = sa_ref[k, :]
         col_scale = sb_ref[k, :]
@@ -63,13 +75,16 @@ def _block_kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, k_blocks):
     o_ref[...] = acc
 
 
-def pallas_block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_tiles=False, interpret=False):
+def pallas_block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_tiles=False, interpret=False,
+                        num_warps=None, num_stages=None):
     """`numerics.block_matmul` as one Pallas kernel (see the module docstring).
 
     Args:
         a_q, a_scales, b_q, b_scales, out_dtype, bias, b_tiles: As for
             `numerics.block_matmul`.
         interpret: Run Pallas's interpreter (CPU tests) instead of compiling.
+        num_warps, num_stages: Triton launch settings (default `NUM_WARPS`,
+            `NUM_STAGES`).
 
     Returns:
         The `(M, N)` product in `out_dtype`.
@@ -87,8 +102,14 @@ def pallas_block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_ti
     kb_p = pl.next_power_of_2(k_blocks)
     sa = jnp.pad(a_scales.astype(jnp.float32).T, ((0, kb_p - k_blocks), (0, mp - m)), constant_values=1.0)
     sb = jnp.pad(_column_scales(b_scales, n, b_tiles), ((0, kb_p - k_blocks), (0, np_ - n)), constant_values=1.0)
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+
+        compiler_params = pl_triton.CompilerParams(num_warps=num_warps or NUM_WARPS,
+                                                   num_stages=num_stages or NUM_STAGES)
     acc = pl.pallas_call(
-        functools.partial(_block_kernel, k_blocks=k_blocks),
+        functools.partial(_block_kernel, k_blocks=k_blocks, widen=a_q.dtype != b_q.dtype),
         out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
         grid=(mp // TILE_M, np_ // TILE_N),
         in_specs=[
@@ -99,6 +120,7 @@ def pallas_block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_ti
         ],
         out_specs=pl.BlockSpec((TILE_M, TILE_N), lambda i, j: (i, j)),
         interpret=interpret,
+        compiler_params=compiler_params,
         name="keras_fp8_block_matmul",
     )(a, sa, b, sb)[:m, :n]
     if bias is not None:

@@ -161,15 +161,31 @@ def run_linear(fn, x, w, b, gy, state, **kwargs):
     return y.detach(), xx.grad, ww.grad, None if bb is None else bb.grad
 
 
+def assert_block_gemm_close(got, want, abs_sum, out_dtype, msg=""):
+    """A block-scaled FP8 GEMM against the reference, element by element:
+    within 2**-11 of the sum of the magnitudes of the element's terms
+    (`abs_sum`: the same GEMM on |q|; the tensor cores' partial sums over each
+    128-long stretch carry about 14 bits) plus one rounding to the output
+    dtype. Rows of very different magnitudes each get their own bound."""
+    got, want, abs_sum = (t.detach().double().cpu() for t in (got, want, abs_sum))
+    assert got.shape == want.shape, (msg, got.shape, want.shape)
+    assert not bool(torch.isnan(got).any()), f"{msg}: NaN"
+    bound = 2.0**-11 * abs_sum + OUTPUT_RTOL[out_dtype] * want.abs() + 1e-30
+    bad = (got - want).abs() > bound
+    assert int(bad.sum()) == 0, (f"{msg}: {int(bad.sum())} of {want.numel()} elements beyond the bound; worst "
+                                 f"excess {float(((got - want).abs() / bound).max()):.3g}x")
+
+
 def reference_block_linear(x, w, b, gy, *, fp8_format="e4m3", margin=0.0, power_of_two=False,
-                           weight_layout="out_in"):
+                           weight_layout="out_in", bounds=False):
     """One call of the block-scaled FP8 linear composed from
     `torch_ops.reference`: x in 1 x 128 tiles along K, W in 128 x 128 blocks;
     the gradient in 1 x 128 tiles along N (dX) and 128 x 1 tiles along M
     (dW, against x's 128 x 1 tiles).
 
     Returns:
-        `(y, dx, dw, db)`.
+        `(y, dx, dw, db)`, and with `bounds` also the three GEMMs on |q|
+        (for `assert_block_gemm_close`).
     """
     fwd_dt, grad_dt = ref.FP8_FORMATS[fp8_format]
     kw = dict(margin=margin, power_of_two=power_of_two)
@@ -188,4 +204,11 @@ def reference_block_linear(x, w, b, gy, *, fp8_format="e4m3", margin=0.0, power_
     dw_kn = ref.block_gemm(qxc.t(), sxc.t(), qgc, sgc, b_tiles=True, out_dtype=w.dtype)
     dw = dw_kn if weight_layout == "in_out" else dw_kn.t()
     db = None if b is None else g2d.float().sum(0).to(b.dtype)
-    return y.reshape(*x.shape[:-1], -1), dx.reshape(x.shape), dw, db
+    out = (y.reshape(*x.shape[:-1], -1), dx.reshape(x.shape), dw, db)
+    if not bounds:
+        return out
+    f32, mag = torch.float32, (lambda q: q.float().abs())
+    y_sum = ref.block_gemm(mag(qx), sx, mag(qw), sw, out_dtype=f32).reshape(out[0].shape)
+    dx_sum = ref.block_gemm(mag(qg), sg, mag(qw).t(), sw.t(), out_dtype=f32).reshape(x.shape)
+    dw_sum = ref.block_gemm(mag(qxc).t(), sxc.t(), mag(qgc), sgc, b_tiles=True, out_dtype=f32)
+    return out, (y_sum, dx_sum, dw_sum if weight_layout == "in_out" else dw_sum.t())
