@@ -26,6 +26,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 RESULT_PREFIX = "RESULT "
@@ -194,8 +195,8 @@ def add_process_arguments(parser, default=3):
     parser.add_argument("--process-timeout", type=float, default=900.0,
                         help="seconds one worker may take before it is stopped (what it printed counts)")
     parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds for all workers: no worker is started where less is left than the longest "
-                             "one took so far")
+                        help="seconds for all workers: no worker is started where less is left than the one "
+                             "before it took")
     parser.add_argument("--json", default=None, help="also write every worker's records to this file")
     parser.add_argument("--worker", type=int, default=None, help=argparse_suppress())
     return parser
@@ -238,19 +239,19 @@ def run_processes(script, argv, n, timeout=900.0, envs=(None,), budget=None, ech
         envs: Environment dicts (None: this process's), e.g. one per Keras
             backend.
         budget: Seconds for all of them: a process is not started where
-            less is left than the longest one took so far (the table is
-            then made from the processes that ran).
+            less is left than the previous process of its environment took
+            (the table is then made from the processes that ran).
 
     Returns:
         One list per environment of each process's records.
     """
     out = [[] for _ in envs]
     start = time.time()
-    longest = 0.0
+    last = [0.0 for _ in envs]
     for i in range(n):
         for j, env in enumerate(envs):
             left = None if budget is None else budget - (time.time() - start)
-            if left is not None and (left < 1.1 * longest or left <= 5):
+            if left is not None and (left < 1.1 * last[j] or left <= 5):
                 print(f"[{i}] not started: {left:.0f} s left of the {budget:.0f}-s budget", flush=True)
                 continue
             limit = timeout if left is None else min(timeout, left)
@@ -259,21 +260,24 @@ def run_processes(script, argv, n, timeout=900.0, envs=(None,), budget=None, ech
             lines = []
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                     env=env)
-            try:
+
+            def read(proc=proc, lines=lines, i=i):
                 for line in proc.stdout:
                     lines.append(line)
                     if echo:  # RESULT lines too: the log then holds every number
                         print(f"[{i}] {line}", end="", flush=True)
-                    if time.time() > t0 + limit:
-                        proc.kill()
-                        print(f"[{i}] stopped after {limit:.0f} s", flush=True)
-                        break
-                proc.wait(timeout=60)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            try:
+                proc.wait(timeout=max(1.0, limit))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                print(f"[{i}] stopped after {limit:.0f} s", flush=True)
+            reader.join(timeout=10)
             took = time.time() - t0
-            longest = max(longest, took)
+            last[j] = took
             records = parse_results("".join(lines))
             label = "" if env is None else f" ({env.get('KERAS_BACKEND', '')})"
             print(f"[{i}]{label} exit {proc.returncode} after {took:.1f} s, {len(records)} records", flush=True)
