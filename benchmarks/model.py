@@ -543,7 +543,8 @@ def tables(per_process, args=None):
             # Different processes (the JAX and torch workers): medians of the two.
             a = timing.summary(res.values("torch", "torchao"))
             b = timing.summary(res.values("keras-jax", fp8))
-            text = f"{a[0] / b[0]:.2f}x (medians of separate processes)" if a and b else "-"
+            text = (f"{a[0] / b[0]:.2f}x (medians of separate processes)" if a and b
+                    else res.problem("torch", "torchao") or res.problem("keras-jax", fp8) or "-")
             out.append(f"| Keras JAX {fp8} over plain PyTorch + torchao | {text} |")
     return "\n".join(out)
 
