@@ -1,199 +1,295 @@
-"""Keras layer forward+backward: FP8Dense vs Dense bf16 vs Keras's float8.
+"""Keras layer forward + backward: Dense under mixed_bfloat16 vs FP8Dense.
 
-    KERAS_BACKEND=torch python benchmarks/keras_layer.py [--shapes MxKxN,...]
-    KERAS_BACKEND=jax   python benchmarks/keras_layer.py
+    python benchmarks/keras_layer.py [--processes 3] [--backends torch,jax] [--shapes 16384x4096x14336]
+    python benchmarks/keras_layer.py --dry-run       # CPU, a tiny shape: the table code
 
-For each shape (M tokens x K in x N out) times, on random bf16 data:
-- `Dense bf16`: keras.layers.Dense under mixed_bfloat16;
-- `Keras float8`: the same Dense after `layer.quantize("float8")`;
-- `FP8Dense`: keras_fp8.layers.FP8Dense under fp8_hybrid (delayed scaling);
-forward+backward (dx and the weight gradient) and forward alone, median of
---iters timed iterations after warm-up. torch: eager autograd, CUDA events.
-JAX: one jitted `stateless_call` + `jax.vjp` per iteration (forward timed as
-its own jitted function whose output is consumed, so XLA cannot drop it).
-Under torch it also reports the host time a Keras FP8Dense call adds over a
-raw torch_ops.fp8_linear call (small shape, no synchronization).
+Variants, each a layer without bias built for (M, K) -> N, interleaved
+within each process:
+
+- `dense_bf16`: `keras.layers.Dense` under `mixed_bfloat16`;
+- `fp8_delayed`, `fp8_current`, `fp8_block`: `keras_fp8.layers.FP8Dense`
+  under `fp8_hybrid`, `fp8_hybrid[scaling=current]` and
+  `fp8_e4m3[scaling=block]`.
+
+One step is the layer's forward on a bf16 x (training=True) and the
+backward of a random bf16 output gradient, giving dx and the kernel's
+gradient. torch: eager autograd (the FP8 layers' `fast_layer_call` path),
+each step synchronized (CUDA events). JAX: one jitted `stateless_call` +
+`jax.vjp` per step (the FP8 state threaded from step to step), timed to
+`block_until_ready`.
+
+Memory of one step: torch, `torch.cuda.max_memory_allocated()` during the
+step minus what was allocated before it (x, the gradient, the layers'
+variables); JAX, the compiled step's own buffers from XLA's buffer
+assignment (`memory_analysis()`: temporaries + outputs; what the step
+allocates beside its arguments), and, for the variant a process runs
+first, the rise of the device's `peak_bytes_in_use` over that step as a
+cross-check.
+
+The parent runs `--processes` workers per backend (KERAS_BACKEND set for
+each); a worker measures the backend it was started with.
 """
+
+from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
-sys.path.insert(
-    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import keras  # noqa: E402
+from benchmarks import timing  # noqa: E402
 
-import keras_fp8  # noqa: E402
+VARIANTS = ["dense_bf16", "fp8_delayed", "fp8_current", "fp8_block"]
+POLICIES = {
+    "dense_bf16": "mixed_bfloat16",
+    "fp8_delayed": "fp8_hybrid",
+    "fp8_current": "fp8_hybrid[scaling=current]",
+    "fp8_block": "fp8_e4m3[scaling=block]",
+}
+LABELS = {"dense_bf16": "Dense bf16", "fp8_delayed": "FP8Dense delayed", "fp8_current": "FP8Dense current",
+          "fp8_block": "FP8Dense block"}
+SHAPES = "16384x4096x14336"
+DRY_RUN_SHAPES = "64x128x256"
 
-DEFAULT_SHAPES = "16384x4096x4096,16384x4096x14336,16384x14336x4096,4096x1024x1024"
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Keras Dense bf16 vs FP8Dense, forward + backward.")
+    p.add_argument("--backends", default="torch,jax", help="backends the parent runs workers for")
+    p.add_argument("--shapes", default=None, help=f"MxKxN,... (default {SHAPES})")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory step")
+    p.add_argument("--dry-run", action="store_true")
+    timing.add_process_arguments(p)
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
+    bad = sorted(set(args.backends.split(",")) - {"torch", "jax"})
+    if bad:
+        p.error(f"--backends: expected torch and/or jax, got {bad}")
+    text = args.shapes or (DRY_RUN_SHAPES if args.dry_run else SHAPES)
+    try:
+        args.shape_list = [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        p.error(f"--shapes: expected MxKxN[,MxKxN...], got {text!r}")
+    if args.dry_run:
+        args.rounds, args.iters, args.warmup = 1, 2, 1
+    return args
 
 
-def make_layer(kind, k, n):
-    if kind == "fp8":
-        layer = keras_fp8.layers.FP8Dense(n, use_bias=False, dtype="fp8_hybrid")
+def make_layer(variant, k, n):
+    import keras
+
+    import keras_fp8
+
+    policy = POLICIES[variant]
+    if variant == "dense_bf16":
+        layer = keras.layers.Dense(n, use_bias=False, dtype=policy)
     else:
-        layer = keras.layers.Dense(n, use_bias=False, dtype="mixed_bfloat16")
+        layer = keras_fp8.layers.FP8Dense(n, use_bias=False, dtype=policy)
     layer.build((None, k))
-    if kind == "keras_float8":
-        layer.quantize("float8")
     return layer
 
 
-def median_ms(times):
-    return statistics.median(times)
-
-
-def bench_torch(layer, m, k, n, iters):
+# --------------------------------------------------------------------------- torch
+def _torch_steps(layers, m, k, n, cuda):
     import torch
 
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    device = "cuda" if cuda else "cpu"
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
 
-    def step():
-        y = layer(x, training=True)
-        y.backward(g)
+    def make(layer):
+        params = [v.value for v in layer.trainable_variables]
 
-    def fwd():
-        with torch.no_grad():
-            layer(x, training=True)
+        def step():
+            x.grad = None
+            for p in params:
+                p.grad = None
+            layer(x, training=True).backward(g)
 
-    from benchmarks.timing import cuda_median_ms
+        return step
 
-    out = [cuda_median_ms(fn, iters, warmup=5) for fn in (step, fwd)]
-    return out
+    return {v: make(layer) for v, layer in layers.items()}
 
 
-def bench_jax(layer, m, k, n, iters):
+def _torch_memory(step):
+    import torch
+
+    step()  # leaves the gradients allocated: cleared by the step itself
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
+# --------------------------------------------------------------------------- JAX
+def _jax_steps(layers, m, k, n):
     import jax
     import jax.numpy as jnp
+    import keras
 
-    # stateless_call on a model runs the layer's __call__ (mixed-precision
-    # autocast included), as the Keras trainer does.
-    layer = keras.Sequential([keras.Input((k,), dtype="bfloat16"), layer])
-
-    trainable = [v.value for v in layer.trainable_variables]
-    non_trainable = [v.value for v in layer.non_trainable_variables]
     kx, kg = jax.random.split(jax.random.PRNGKey(0))
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     g = jax.random.normal(kg, (m, n), jnp.bfloat16)
+    steps, compiled = {}, {}
+    for v, layer in layers.items():
+        # A model's stateless_call runs the layer's __call__ (the autocast
+        # scope included), as the trainer does.
+        model = keras.Sequential([keras.Input((k,), dtype="bfloat16"), layer])
+        trainable = [w.value for w in model.trainable_variables]
+        state = [[w.value for w in model.non_trainable_variables]]
 
-    def forward(trainable, non_trainable, x):
-        return layer.stateless_call(trainable, non_trainable, x, training=True)
+        def fwd_bwd(trainable, non_trainable, x, g, model=model):
+            def f(t, x):
+                return model.stateless_call(t, non_trainable, x, training=True)
 
-    @jax.jit
-    def step(trainable, non_trainable, x, g):
-        y, vjp, new_nt = jax.vjp(
-            lambda t, x: forward(t, non_trainable, x), trainable, x, has_aux=True
-        )
-        dt, dx = vjp(g)
-        return dt, dx, new_nt
+            _, vjp, new_nt = jax.vjp(f, trainable, x, has_aux=True)
+            dt, dx = vjp(g)
+            return dt, dx, new_nt
 
-    @jax.jit
-    def fwd(trainable, non_trainable, x):
-        y, new_nt = forward(trainable, non_trainable, x)
-        return jnp.sum(y.astype(jnp.float32)), new_nt
+        jitted = jax.jit(fwd_bwd)
+        cache = {}
 
-    out = []
-    for fn, args in ((step, (trainable, non_trainable, x, g)),
-                     (fwd, (trainable, non_trainable, x))):
-        for _ in range(3):
-            jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(1e3 * (time.perf_counter() - t0))
-        out.append(median_ms(times))
-    return out
+        def lazy_compiled(jitted=jitted, trainable=trainable, state=state, cache=cache):
+            # Compiled once ahead of time: the memory analysis and the steps
+            # share the executable.
+            if "exe" not in cache:
+                cache["exe"] = jitted.lower(trainable, state[0], x, g).compile()
+            return cache["exe"]
 
+        def step(trainable=trainable, state=state, compiled=lazy_compiled):
+            dt, dx, state[0] = compiled()(trainable, state[0], x, g)
+            return dx
 
-def host_overhead_torch(iters=200):
-    """Host microseconds per forward call (no synchronization, small shape).
-
-    Keras FP8Dense vs the raw torch_ops.fp8_linear call it makes, and for
-    reference Keras Dense bf16 vs torch's F.linear (Keras's own per-call cost).
-    """
-    import torch
-    import torch.nn.functional as F
-    import torch_ops
-
-    m = k = n = 256
-    layer = keras_fp8.layers.FP8Dense(n, use_bias=False, dtype="fp8_hybrid", min_gemm_size=0)
-    layer.build((None, k))
-    dense = make_layer("bf16", k, n)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    state = torch_ops.FP8LinearState.create(1024, device="cuda")
-    w = layer.kernel.value.detach()
-    w_bf16 = w.to(torch.bfloat16).t().contiguous()
-
-    calls = {
-        "keras": lambda: layer(x, training=True),
-        "raw": lambda: torch_ops.fp8_linear(
-            x, w, state=state, weight_layout="in_out", min_gemm_size=0),
-        "keras_dense": lambda: dense(x, training=True),
-        "linear": lambda: F.linear(x, w_bf16),
-    }
-    result = {}
-    with torch.no_grad():
-        for name, fn in calls.items():
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            result[name] = 1e6 * (time.perf_counter() - t0) / iters
-            torch.cuda.synchronize()
-    return result
+        steps[v] = step
+        compiled[v] = lazy_compiled
+    return steps, compiled
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--kinds", default="bf16,keras_float8,fp8")
-    args = parser.parse_args()
+def _jax_memory_analysis(compile_fn):
+    analysis = compile_fn().memory_analysis()
+    if analysis is None:
+        return None
+    return (analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes) / 2**30
+
+
+def _jax_peak_rise(step):
+    """GiB the device's peak_bytes_in_use rose above what was in use before
+    `step()` (None where the device keeps no stats or the peak did not rise)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    before, peak0 = stats["bytes_in_use"], stats["peak_bytes_in_use"]
+    jax.block_until_ready(step())
+    peak1 = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+    return (peak1 - before) / 2**30 if peak1 > peak0 else None
+
+
+# --------------------------------------------------------------------------- worker
+def worker(args):
+    import keras
+
+    import keras_fp8  # noqa: F401 (registers the FP8 policies)
+
     backend = keras.backend.backend()
-    bench = bench_torch if backend == "torch" else bench_jax
-    names = {"bf16": "Keras Dense bf16", "keras_float8": "Keras float8",
-             "fp8": "keras_fp8 FP8Dense"}
-    print(f"# Keras layer benchmark, backend={backend}")
-    rows = []
-    for shape in args.shapes.split(","):
-        m, k, n = (int(v) for v in shape.split("x"))
-        results = {}
-        for kind in args.kinds.split(","):
-            try:
-                layer = make_layer(kind, k, n)
-                results[kind] = bench(layer, m, k, n, args.iters)
-            except Exception as e:  # report, keep going
-                print(f"{shape} {kind}: FAILED {type(e).__name__}: {e}")
-            finally:
-                keras.backend.clear_session()
-        base = results.get("bf16", [float("nan")])[0]
-        print(f"\n### {backend} {m}x{k}x{n} (fwd+bwd ms / fwd ms / speed-up of fwd+bwd over bf16)")
-        print("| layer | fwd+bwd ms | fwd ms | x bf16 |")
-        print("|---|---|---|---|")
-        for kind, (both, fwd) in results.items():
-            print(f"| {names[kind]} | {both:.3f} | {fwd:.3f} | {base / both:.2f}x |")
-            rows.append((backend, shape, kind, both, fwd, base / both))
     if backend == "torch":
-        try:
-            host = host_overhead_torch()
-            print(f"\nhost us/call: Keras FP8Dense {host['keras']:.1f}, raw "
-                  f"torch_ops.fp8_linear {host['raw']:.1f}, added "
-                  f"{host['keras'] - host['raw']:.1f}; Keras Dense bf16 "
-                  f"{host['keras_dense']:.1f} vs F.linear {host['linear']:.1f}, "
-                  f"added {host['keras_dense'] - host['linear']:.1f}")
-        except Exception as e:
-            print(f"host overhead: FAILED {type(e).__name__}: {e}")
-    print("\n### summary")
-    for row in rows:
-        print("SUMMARY " + " ".join(str(v) if not isinstance(v, float) else f"{v:.3f}" for v in row))
+        import torch
+
+        cuda = torch.cuda.is_available() and not args.dry_run
+        timer = timing.cuda_timer if cuda else timing.wall_timer()
+    else:
+        import jax
+
+        cuda = jax.devices()[0].platform == "gpu" and not args.dry_run
+        timer = timing.wall_timer(jax.block_until_ready)
+    env = timing.environment()
+    env["backend"] = backend
+    timing.emit({"env": env})
+    names = args.variants.split(",")
+    for m, k, n in args.shape_list:
+        row = f"{backend} {m}x{k}x{n}"
+        layers, problems = {}, {}
+        for v in names:
+            try:
+                layers[v] = make_layer(v, k, n)
+            except Exception as e:  # noqa: BLE001
+                problems[v] = e
+        extra = {v: {} for v in names}
+        if backend == "torch":
+            steps = _torch_steps(layers, m, k, n, cuda)
+        else:
+            steps, compiled = _jax_steps(layers, m, k, n)
+            if args.memory:
+                # The peak rise is clean only for the first step a process runs.
+                first = names[(args.worker or 0) % len(names)]
+                for v in sorted(steps, key=lambda v: v != first):
+                    try:
+                        extra[v]["mem_gib"] = _jax_memory_analysis(compiled[v])
+                        if v == first:
+                            extra[v]["peak_rise_gib"] = _jax_peak_rise(steps[v])
+                    except Exception as e:  # noqa: BLE001
+                        extra[v]["mem_error"] = timing.describe_error(e)
+        medians = timing.interleaved_medians(steps, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+                                             timer=timer, seed=args.worker or 0)
+        if backend == "torch" and cuda and args.memory:
+            for v, step in steps.items():
+                if not isinstance(medians.get(v), BaseException):
+                    extra[v]["mem_gib"] = _torch_memory(step)
+        for v in names:
+            value = problems.get(v, medians.get(v))
+            timing.emit(timing.variant_record(v, value, row=row, policy=POLICIES[v], **extra[v]))
+        keras.backend.clear_session()
+
+
+# --------------------------------------------------------------------------- table
+HEADER = ("| backend | M x K x N | Dense bf16 | FP8Dense delayed | FP8Dense current | FP8Dense block "
+          "| delayed / bf16 | current / bf16 | block / bf16 |")
+MEM_HEADER = ("| backend | M x K x N | Dense bf16 | FP8Dense delayed | FP8Dense current | FP8Dense block "
+              "| delayed / bf16 |")
+
+
+def _sep(h):
+    return "|" + "---|" * (h.count("|") - 1)
+
+
+def tables(per_process, args=None):
+    res = timing.Results(per_process, row_key="row")
+    out = [f"# {timing.env_line(res.env())}; processes per backend: {len(per_process)}", "",
+           "Forward + backward, ms per step (median over processes [range]); ratio = speed-up over Dense bf16:",
+           "", HEADER, _sep(HEADER)]
+    for row in res.rows():
+        backend, shape = row.split(" ", 1)
+        cells = [res.ms(row, v) for v in VARIANTS]
+        cells += [res.ratio(row, v, "dense_bf16") for v in ("fp8_delayed", "fp8_current", "fp8_block")]
+        out.append(f"| {backend} | {shape.replace('x', ' x ')} | " + " | ".join(cells) + " |")
+    out += ["", "Step memory, GiB above the resident tensors (torch: max_memory_allocated; JAX: the compiled "
+            "step's temporaries + outputs); ratio fp8 / bf16:", "", MEM_HEADER, _sep(MEM_HEADER)]
+    for row in res.rows():
+        backend, shape = row.split(" ", 1)
+        cells = [res.ms(row, v, field="mem_gib", fmt="{:.2f}") for v in VARIANTS]
+        cells.append(res.ratio(row, "fp8_delayed", "dense_bf16", field="mem_gib", inverse=False))
+        out.append(f"| {backend} | {shape.replace('x', ' x ')} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker is not None or args.processes <= 0:
+        return timing.main_or_worker(__file__, argv, args, worker, tables)
+    per_process = timing.run_per_backend(__file__, argv, args, args.backends.split(","))
+    timing.write_json(args.json, per_process)
+    print(tables(per_process, args))
+    return per_process
 
 
 if __name__ == "__main__":

@@ -1,36 +1,47 @@
-"""Model-level benchmark: a decoder-only transformer trained with model.fit.
+"""Decoder model training step (`model.fit`): mixed_bfloat16 vs fp8_hybrid.
 
-    KERAS_BACKEND=torch python benchmarks/model.py --stack keras --policy fp8_hybrid
-    KERAS_BACKEND=jax   python benchmarks/model.py --stack keras --policy mixed_bfloat16
-    python benchmarks/model.py --stack torch [--torchao]
+    python benchmarks/model.py [--processes 3] [--backends torch,jax] [--monitor]
+    python benchmarks/model.py --size small --backends torch --peers none
+    python benchmarks/model.py --dry-run             # CPU, a tiny model: the table code
 
-Architecture (ANCHORS.md): hidden 4096, SwiGLU MLP 14336, 32 heads, 4 blocks,
-sequence 2048, batch 8 (16384 tokens), vocabulary 32000, causal attention,
-RMS norms, output layer in the compute dtype (not FP8), AdamW with float32
-master weights. `--stack keras` builds it from Keras layers (FP8Dense for the
-projections; under mixed_bfloat16 they are plain Dense) and trains with
-model.fit; `--stack torch` is the same network in plain PyTorch (bf16
-autocast, fused AdamW, optionally torchao float8 tensorwise + torch.compile).
-Prints ms/step (median over the timed steps) and the loss of every step, as
-one `RESULT` line (JSON) for the side-by-side table.
+The decoder of ANCHORS.md (`--size full`): hidden 4096, SwiGLU MLP 14336, 32
+heads, 4 blocks, sequence 2048, batch 8 (16384 tokens), vocabulary 32000,
+causal attention, RMS norms, AdamW with float32 master weights, the output
+layer a plain `Dense` in the compute dtype (never FP8). `--size small`:
+hidden 1024, MLP 2816, 8 heads, sequence 512, vocabulary 8000 (host-bound:
+the shortcut's share shows there). Random tokens; the same data for every
+variant.
 
-`--interleave mixed_bfloat16,fp8_hybrid --rounds 5` builds both Keras models
-in one process and alternates their fit() calls, so that the ratio is not at
-the mercy of one process's luck (host-bound small models varied 0.83x-1.20x
-between processes).
+Variants, interleaved within each process (each round one `fit` call of
+`--steps` steps per variant, in a shuffled order; a sample is one step,
+the first step of each call left out):
 
-`--jit` (default `auto`): Keras's own default, i.e. `model.fit` is one XLA
-program under JAX and eager under torch; `--jit` alone also compiles the
-plain-torch stack with torch.compile. (An earlier version passed
-`jit_compile=False` to Keras by default, which runs JAX op by op: the
-420 ms/step of the first JAX runs.) `--attention auto|flash|xla` is Keras's
-`flash_attention` argument (None/True/False); `auto` gives cuDNN flash
-attention on a GPU for bf16 inputs. `benchmarks/jax_step.py` reports what the
-JAX train step compiles to.
+- `mixed_bfloat16`: the projections are `keras.layers.Dense`;
+- `mixed_bfloat16+shortcut` (torch): the same model and weights, its
+  projections' eager calls skipping Keras's `Layer.__call__` as the FP8
+  layers' host-path shortcut (`keras_fp8.backends.torch.fast_layer_call`)
+  does: the ablation that separates the shortcut's gain from FP8's;
+- `fp8_hybrid` (and any other FP8 policy in `--policies`): the projections
+  are `FP8Dense`;
+- `fp8_hybrid+monitor` (`--monitor`): the same FP8 model, its `fit` with
+  `keras_fp8.callbacks.FP8Monitor()` (its overhead);
+- torch peers (`--peers auto`: with the torch backend on a GPU), the same
+  network in plain PyTorch: `torch-bf16` (bf16 autocast, fused AdamW, each
+  block `torch.compile`d) and `torchao` (the same with torchao's float8
+  tensorwise training on every projection but the output layer).
+
+Memory of one step: torch, `torch.cuda.max_memory_allocated()` over one
+step minus what was allocated before it (parameters, optimizer state and
+every other model of the process stay resident); JAX, the device's
+`peak_bytes_in_use` after the warm-up `fit` minus `bytes_in_use` then,
+taken only for the variant a process warms up first (the peak never
+resets; the warm-up order rotates with the process index, so with two
+policies and two or more processes each gets measured).
 """
 
+from __future__ import annotations
+
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,166 +49,238 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+from benchmarks import timing  # noqa: E402
+
+SIZES = {
+    "full": dict(hidden=4096, mlp=14336, heads=32, blocks=4, seq=2048, batch=8, vocab=32000),
+    "small": dict(hidden=1024, mlp=2816, heads=8, blocks=4, seq=512, batch=8, vocab=8000),
+    "tiny": dict(hidden=64, mlp=128, heads=2, blocks=1, seq=32, batch=2, vocab=256),
+}
+SHORTCUT = "+shortcut"
+MONITOR = "+monitor"
+PEERS = ["torch-bf16", "torchao"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Decoder model.fit step: mixed_bfloat16 vs FP8 policies.")
+    p.add_argument("--backends", default="torch,jax", help="backends the parent runs workers for")
+    p.add_argument("--size", choices=sorted(SIZES), default=None, help="full (default), small, tiny (dry run)")
+    for key in SIZES["full"]:
+        p.add_argument(f"--{key}", type=int, default=None, help=f"override the size's {key}")
+    p.add_argument("--policies", default="mixed_bfloat16,fp8_hybrid",
+                   help="comma list: mixed_bfloat16 first, then FP8 policy names")
+    p.add_argument("--no-shortcut-ablation", dest="shortcut", action="store_false",
+                   help="torch: skip the mixed_bfloat16+shortcut variant")
+    p.add_argument("--monitor", action="store_true", help="add fp8_hybrid+monitor (keras_fp8.callbacks.FP8Monitor)")
+    p.add_argument("--peers", choices=["auto", "none"], default="auto",
+                   help="auto: the plain-PyTorch peers in the torch workers on a GPU")
+    p.add_argument("--attention", choices=["auto", "flash", "xla"], default="auto",
+                   help="Keras's flash_attention argument: None / True / False")
+    p.add_argument("--loss", choices=["keras", "flat"], default="keras",
+                   help="keras: SparseCategoricalCrossentropy on (batch, seq, vocab); flat: the same loss on "
+                        "(batch*seq, vocab) rows")
+    p.add_argument("--warmup", type=int, default=2, help="steps of the untimed first fit per variant")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="steps per fit call (the first is not timed)")
+    p.add_argument("--no-memory", dest="memory", action="store_false")
+    p.add_argument("--dry-run", action="store_true", help="CPU, the tiny size, one round")
+    timing.add_process_arguments(p)
+    args = p.parse_args(argv)
+    size = args.size or ("tiny" if args.dry_run else "full")
+    for key, value in SIZES[size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.size = size
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    args.policy_list = args.policies.split(",")
+    if args.policy_list[0] != "mixed_bfloat16":
+        p.error(f"--policies: expected mixed_bfloat16 first (the baseline), got {args.policies!r}")
+    if args.dry_run:
+        args.warmup, args.rounds, args.steps = 1, 1, 3
+    if args.steps < 2:
+        p.error("--steps: at least 2 (the first step of each fit is not timed)")
+    return args
+
+
+def keras_variants(args, backend):
+    """The Keras variant names, in their order."""
+    out = []
+    for policy in args.policy_list:
+        out.append(policy)
+        if policy == "mixed_bfloat16" and args.shortcut and backend == "torch":
+            out.append(policy + SHORTCUT)
+    if args.monitor:
+        fp8 = [p for p in args.policy_list if p != "mixed_bfloat16"]
+        if fp8:
+            out.append(fp8[0] + MONITOR)
+    return out
 
 
 def data(args):
+    import numpy as np
+
     rng = np.random.default_rng(0)
-    n = args.batch * (args.warmup + args.steps)
+    n = args.batch * max(args.warmup, args.steps)
     tokens = rng.integers(0, args.vocab, (n, args.seq + 1)).astype("int32")
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def keras_model(args):
+# --------------------------------------------------------------------------- Keras
+def shortcut_dense_class():
+    """`keras.layers.Dense` whose eager call on a plain torch tensor in its
+    compute dtype skips `Layer.__call__` while `ShortcutDense.enabled`: what
+    the FP8 layers' `fast_layer_call` does, given to the bf16 layer (no bias,
+    no activation: the decoder's projections)."""
+    import keras
+    import torch
+
+    from keras_fp8 import compat
+
+    class ShortcutDense(keras.layers.Dense):
+        enabled = False
+
+        def __call__(self, *args, **kwargs):
+            if ShortcutDense.enabled and len(args) == 1 and set(kwargs) <= {"training"}:
+                x = args[0]
+                if (type(x) is torch.Tensor and self.built and not self.use_bias and self.activation in
+                        (None, keras.activations.linear) and not self.lora_enabled
+                        and x.dtype == getattr(torch, self.compute_dtype) and not compat.in_stateless_scope()
+                        and compat.keras_mask(x) is None and not torch.compiler.is_compiling()
+                        and not self._forward_hooks and not self._forward_pre_hooks):
+                    return torch.matmul(x, compat.raw_value(self.kernel).to(x.dtype))
+            return super().__call__(*args, **kwargs)
+
+    return ShortcutDense
+
+
+def keras_model(args, policy, dense_cls):
     import keras
     from keras import ops
 
     from keras_fp8.layers import FP8Dense
 
+    fp8 = policy != "mixed_bfloat16"
+    proj = FP8Dense if fp8 else dense_cls
+    flash = {"auto": None, "flash": True, "xla": False}[args.attention]
+
     class CausalSelfAttention(keras.layers.Layer):
-        def __init__(self, hidden, heads, **kwargs):
+        def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.hidden, self.heads = hidden, heads
-            self.qkv = FP8Dense(3 * hidden, use_bias=False)
-            self.out = FP8Dense(hidden, use_bias=False)
+            self.qkv = proj(3 * args.hidden, use_bias=False)
+            self.out = proj(args.hidden, use_bias=False)
 
         def call(self, x):
             b, s = ops.shape(x)[0], ops.shape(x)[1]
-            qkv = ops.reshape(self.qkv(x), (b, s, 3, self.heads, self.hidden // self.heads))
-            if args.qkv == "unstack":
-                # As the plain-torch stack's unbind(2): one stack in the backward.
-                q, k, v = ops.unstack(qkv, axis=2)
-            else:
-                # Three index-selects: each backward zero-fills a full-size
-                # gradient and copies into it (the earlier benchmark's code).
-                q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-            a = ops.dot_product_attention(
-                q, k, v, is_causal=True, flash_attention=flash
-            )
-            return self.out(ops.reshape(a, (b, s, self.hidden)))
+            qkv = ops.reshape(self.qkv(x), (b, s, 3, args.heads, args.hidden // args.heads))
+            q, k, v = ops.unstack(qkv, axis=2)
+            a = ops.dot_product_attention(q, k, v, is_causal=True, flash_attention=flash)
+            return self.out(ops.reshape(a, (b, s, args.hidden)))
 
     class SwiGLU(keras.layers.Layer):
-        def __init__(self, hidden, mlp, **kwargs):
+        def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.gate = FP8Dense(mlp, use_bias=False)
-            self.up = FP8Dense(mlp, use_bias=False)
-            self.down = FP8Dense(hidden, use_bias=False)
+            self.gate = proj(args.mlp, use_bias=False)
+            self.up = proj(args.mlp, use_bias=False)
+            self.down = proj(args.hidden, use_bias=False)
 
         def call(self, x):
             return self.down(ops.silu(self.gate(x)) * self.up(x))
 
-    # None: Keras decides (cuDNN flash attention on a GPU for bf16 inputs,
-    # the XLA/torch SDPA path otherwise); True raises where flash can't run.
-    flash = {"auto": None, "flash": True, "xla": False}[args.attention]
-    keras.mixed_precision.set_global_policy(args.policy)
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((args.seq,), dtype="int32")
-    h = keras.layers.Embedding(args.vocab, args.hidden)(tokens)
-    for _ in range(args.blocks):
-        a = keras.layers.RMSNormalization()(h)
-        h = h + CausalSelfAttention(args.hidden, args.heads)(a)
-        m = keras.layers.RMSNormalization()(h)
-        h = h + SwiGLU(args.hidden, args.mlp)(m)
-    h = keras.layers.RMSNormalization()(h)
-    logits = keras.layers.Dense(args.vocab, use_bias=False, dtype="mixed_bfloat16")(h)
-    model = keras.Model(tokens, logits)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        tokens = keras.Input((args.seq,), dtype="int32")
+        h = keras.layers.Embedding(args.vocab, args.hidden)(tokens)
+        for _ in range(args.blocks):
+            h = h + CausalSelfAttention()(keras.layers.RMSNormalization()(h))
+            h = h + SwiGLU()(keras.layers.RMSNormalization()(h))
+        h = keras.layers.RMSNormalization()(h)
+        logits = keras.layers.Dense(args.vocab, use_bias=False, dtype="mixed_bfloat16")(h)
+        model = keras.Model(tokens, logits)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     if args.loss == "flat":
         def loss(y_true, y_pred):
-            # The same mean cross-entropy over (tokens, vocabulary) rows: the
-            # class axis is already the last of a 2-D tensor.
             return keras.losses.sparse_categorical_crossentropy(
                 ops.reshape(y_true, (-1,)), ops.reshape(y_pred, (-1, args.vocab)), from_logits=True)
     else:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(
-        optimizer=keras.optimizers.AdamW(1e-4),
-        loss=loss,
-        jit_compile={"auto": "auto", "true": True, "false": False}[args.jit],
-    )
+    model.compile(optimizer=keras.optimizers.AdamW(1e-4), loss=loss)
     return model
 
 
-def timed_fit(model, x, y, batch_size, progress_from=None):
-    """`model.fit` for one epoch over (x, y), unshuffled. Returns the time
-    stamp at the end of each step and each step's loss (reading the loss
-    forces the step to finish). `progress_from`: print one line per step
-    with the seconds since that `time.perf_counter()` value (a run cut short
-    still shows how far it got)."""
-    import keras
+class _Timer:
+    """Keras callback factory: step end stamps, losses, one step's memory."""
 
-    stamps, losses = [], []
+    @staticmethod
+    def make(memory_step=None):
+        import keras
 
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            losses.append(float(logs["loss"]))
-            stamps.append(time.perf_counter())
-            if progress_from is not None:
-                print(f"step {batch} done at {stamps[-1] - progress_from:.1f} s", flush=True)
+        class Timer(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.stamps, self.losses, self.mem_gib = [], [], None
+                self._before = None
 
-    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
-    return stamps, losses
+            def on_train_batch_begin(self, batch, logs=None):
+                if memory_step is not None and batch == memory_step:
+                    import torch
 
+                    torch.cuda.synchronize()
+                    self._before = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
 
-def run_keras(args):
-    start = time.perf_counter()
-    model = keras_model(args)
-    x, y = data(args)
-    return timed_fit(model, x, y, args.batch, progress_from=start)
+            def on_train_batch_end(self, batch, logs=None):
+                self.losses.append(float(logs["loss"]))
+                self.stamps.append(time.perf_counter())
+                if self._before is not None and batch == memory_step:
+                    import torch
 
+                    self.mem_gib = (torch.cuda.max_memory_allocated() - self._before) / 2**30
+                    self._before = None
 
-def _set_prequantize(on):
-    """Turns keras_fp8's kernels quantized ahead on or off (torch backend);
-    returns the previous setting."""
-    import keras
-
-    if keras.backend.backend() != "torch":
-        return on
-    from keras_fp8.backends import torch as torch_backend
-
-    was, torch_backend.PREQUANTIZE = torch_backend.PREQUANTIZE, on
-    return was
+        return Timer()
 
 
-def run_keras_interleaved(args):
-    """Both policies of `--interleave` in one process, their fit() calls
-    alternating for `--rounds` rounds (after one warm-up fit each), so that
-    drifts of the machine fall on both alike. Returns {policy: (step ms
-    list, losses)}; a sample is one step's time within a fit call (the first
-    step of each call, which includes fit's setup, is left out)."""
-    import keras
+def monitor_callback():
+    """A fresh `keras_fp8.callbacks.FP8Monitor()` (imported here: optional)."""
+    from keras_fp8.callbacks import FP8Monitor
 
-    policies = args.interleave.split(",")
-    models = {}
-    for policy in policies:
-        args.policy = policy.split(":")[0]
-        models[policy] = keras_model(args)
-    keras.mixed_precision.set_global_policy("float32")
-    x, y = data(args)
-    steps = {p: [] for p in policies}
-    losses = {p: [] for p in policies}
+    return FP8Monitor()
 
-    def fit(policy, batches):
-        n = batches * args.batch
-        ahead = _set_prequantize(not policy.endswith(":noahead"))
+
+class KerasVariant:
+    """One Keras variant: a model (shared with its +shortcut / +monitor
+    twin) and how its fit calls run."""
+
+    def __init__(self, name, model, shortcut_cls, torch_memory):
+        self.name, self.model, self.shortcut_cls = name, model, shortcut_cls
+        self.torch_memory = torch_memory
+        self.monitor = name.endswith(MONITOR)
+        self.mem_gib = None
+
+    def fit(self, x, y, steps, batch, measure_memory=False):
+        memory_step = 1 if (measure_memory and self.torch_memory) else None
+        timer = _Timer.make(memory_step)
+        callbacks = [timer] + ([monitor_callback()] if self.monitor else [])
+        n = steps * batch
+        if self.shortcut_cls is not None:
+            self.shortcut_cls.enabled = self.name.endswith(SHORTCUT)
         try:
-            stamps, step_losses = timed_fit(models[policy], x[:n], y[:n], args.batch)
+            self.model.fit(x[:n], y[:n], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
         finally:
-            _set_prequantize(ahead)
-        return list(np.diff(stamps) * 1e3), step_losses
-
-    for policy in policies:
-        fit(policy, args.warmup)
-    for r in range(args.rounds):
-        for policy in policies:
-            ms, ls = fit(policy, args.steps)
-            steps[policy] += ms
-            losses[policy] += ls
-        print(f"round {r}: " + ", ".join(f"{p} {statistics.median(steps[p]):.2f} ms/step so far" for p in policies),
-              flush=True)
-    return {p: (steps[p], losses[p]) for p in policies}
+            if self.shortcut_cls is not None:
+                self.shortcut_cls.enabled = False
+        if timer.mem_gib is not None:
+            self.mem_gib = timer.mem_gib
+        return [1e3 * (b - a) for a, b in zip(timer.stamps, timer.stamps[1:])], timer.losses
 
 
-def run_torch(args):
+# --------------------------------------------------------------------------- plain PyTorch
+def torch_peer(args, kind):
+    """The decoder in plain PyTorch, its blocks compiled; `kind`:
+    "torch-bf16" or "torchao" (float8 tensorwise on the projections)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -217,9 +300,8 @@ def run_torch(args):
         def forward(self, h):
             b, s, _ = h.shape
             q, k, v = self.qkv(self.n1(h)).view(b, s, 3, args.heads, -1).unbind(2)
-            a = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-            ).transpose(1, 2).reshape(b, s, -1)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True).transpose(1, 2).reshape(b, s, -1)
             h = h + self.out(a)
             m = self.n2(h)
             return h + self.down(F.silu(self.gate(m)) * self.up(m))
@@ -238,104 +320,244 @@ def run_torch(args):
                 h = block(h)
             return self.lm_head(self.norm(h))
 
-    model = Decoder().cuda()
-    if args.torchao:
+    with torch.device("cuda"):  # initialized on the GPU: seconds, not minutes, for 1.2B parameters
+        model = Decoder()
+    if kind == "torchao":
         from torchao.float8 import convert_to_float8_training
 
-        convert_to_float8_training(
-            model, module_filter_fn=lambda mod, fqn: fqn != "lm_head"
-        )
-    if args.torchao or args.jit == "true":
-        model = torch.compile(model)
+        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+    for block in model.blocks:
+        block.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x, y = data(args)
-    x, y = torch.tensor(x).long().cuda(), torch.tensor(y).long().cuda()
-    stamps, losses = [], []
-    for i in range(args.warmup + args.steps):
-        xb, yb = x[i * args.batch:(i + 1) * args.batch], y[i * args.batch:(i + 1) * args.batch]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(xb)
-        loss = F.cross_entropy(logits.float().view(-1, args.vocab), yb.view(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        stamps.append(time.perf_counter())
-    return stamps, losses
+    return model, optimizer
 
 
-def add_model_arguments(parser):
-    """The architecture flags (ANCHORS.md defaults) and the attention choice."""
-    parser.add_argument("--policy", default="fp8_hybrid")
-    parser.add_argument("--attention", default="auto",
-                        choices=["auto", "flash", "xla"])
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--mlp", type=int, default=14336)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--qkv", default="unstack", choices=["unstack", "index"],
-                        help="how attention takes q, k and v from the fused projection: ops.unstack (as the "
-                             "plain-torch stack's unbind) or three index-selects qkv[:, :, i] (the benchmark's code "
-                             "before the sixth session; their backward is three zero-fills and strided copies)")
-    parser.add_argument("--loss", default="keras", choices=["keras", "flat"],
-                        help="keras: SparseCategoricalCrossentropy on the (batch, seq, vocab) logits (the "
-                             "benchmark's model). flat: the same loss on (batch*seq, vocab) rows, a diagnostic: "
-                             "Keras's torch backend moves the class axis of 3-D logits to dimension 1, where "
-                             "PyTorch runs its slow spatial log-softmax")
+class TorchPeerVariant:
+    def __init__(self, name, args, x, y):
+        import torch
+
+        self.name, self.args = name, args
+        self.model, self.optimizer = torch_peer(args, name)
+        self.x = torch.tensor(x, dtype=torch.long, device="cuda")
+        self.y = torch.tensor(y, dtype=torch.long, device="cuda")
+        self.mem_gib = None
+
+    def fit(self, x, y, steps, batch, measure_memory=False):
+        import torch
+        import torch.nn.functional as F
+
+        stamps, losses = [], []
+        for i in range(steps):
+            if measure_memory and i == 1:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            xb, yb = self.x[i * batch:(i + 1) * batch], self.y[i * batch:(i + 1) * batch]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = self.model(xb)
+            loss = F.cross_entropy(logits.float().view(-1, self.args.vocab), yb.reshape(-1))
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            stamps.append(time.perf_counter())
+            if measure_memory and i == 1:
+                self.mem_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
+        return [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])], losses
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stack", choices=["keras", "torch"], default="keras")
-    parser.add_argument("--torchao", action="store_true")
-    parser.add_argument("--jit", nargs="?", const="true", default="auto",
-                        choices=["auto", "true", "false"])
-    add_model_arguments(parser)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--interleave", default=None,
-                        help="e.g. mixed_bfloat16,fp8_hybrid: both Keras models in one process, fit() calls "
-                             "alternating for --rounds rounds of --steps steps (after --warmup steps each)")
-    parser.add_argument("--rounds", type=int, default=5)
-    return parser.parse_args(argv)
+# --------------------------------------------------------------------------- worker
+def _jax_memory():
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return (stats["peak_bytes_in_use"] - stats["bytes_in_use"]) / 2**30
 
 
-def main():
-    args = parse_args()
-    start = time.perf_counter()
-    if args.interleave:
-        import keras
+def worker(args):
+    import random
 
-        results = run_keras_interleaved(args)
-        med = {p: statistics.median(ms) for p, (ms, _) in results.items()}
-        for p, (ms, ls) in results.items():
-            print("RESULT " + json.dumps({"stack": f"keras-{keras.backend.backend()} {p} (interleaved)",
-                                          "ms_per_step": med[p], "steps_timed": len(ms), "losses": ls}))
-        a, *others = list(med)
-        for b in others:
-            print(f"RATIO {b} vs {a}: {med[a] / med[b]:.3f}x steps/s ({med[a]:.2f} vs {med[b]:.2f} ms/step, "
-                  f"medians over {len(results[a][0])} steps each)")
-        return
-    stamps, losses = (run_keras if args.stack == "keras" else run_torch)(args)
-    steps = np.diff(stamps[args.warmup - 1:]) * 1e3
-    if args.stack == "keras":
-        import keras
+    import keras
 
-        label = f"keras-{keras.backend.backend()} {args.policy}"
+    import keras_fp8  # noqa: F401 (registers the FP8 policies)
+
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        cuda = torch.cuda.is_available() and not args.dry_run
     else:
-        label = "torch " + ("torchao-float8 compiled" if args.torchao else "bf16" + (" compiled" if args.jit == "true" else " eager"))
-    ms = statistics.median(steps)
-    result = {
-        "stack": label, "ms_per_step": ms,
-        "tok_per_s": args.batch * args.seq / ms * 1e3,
-        "losses": losses, "wall_s": time.perf_counter() - start,
-        # Process start to the end of step 1: build + compile + one step.
-        "first_step_s": stamps[0] - start,
-    }
-    print("RESULT " + json.dumps(result))
+        import jax
+
+        cuda = jax.devices()[0].platform == "gpu" and not args.dry_run
+    env = timing.environment()
+    env.update(backend=backend, size=args.size)
+    timing.emit({"env": env})
+    row = f"keras-{backend}"
+    tokens = args.batch * args.seq
+    x, y = data(args)
+    variants, problems = {}, {}
+    models = {}
+    shortcut_cls = shortcut_dense_class() if backend == "torch" else None
+    for name in keras_variants(args, backend):
+        policy = name.split("+")[0]
+        try:
+            if policy not in models:
+                models[policy] = keras_model(args, policy, shortcut_cls or keras.layers.Dense)
+            if name.endswith(MONITOR):
+                try:
+                    monitor_callback()
+                except ImportError:
+                    problems[name] = "keras_fp8.callbacks.FP8Monitor not available"
+                    continue
+            variants[name] = KerasVariant(name, models[policy], shortcut_cls, torch_memory=cuda and args.memory
+                                          and backend == "torch")
+        except Exception as e:  # noqa: BLE001
+            problems[name] = e
+    peer_names = []
+    if backend == "torch" and args.peers == "auto":
+        peer_names = PEERS
+        for name in PEERS:
+            if not cuda:
+                problems[name] = "GPU only"
+                continue
+            try:
+                if name == "torchao":
+                    import torchao  # noqa: F401
+                variants[name] = TorchPeerVariant(name, args, x, y)
+            except ImportError as e:
+                problems[name] = f"not importable: {type(e).__name__}"
+            except Exception as e:  # noqa: BLE001
+                problems[name] = e
+    # Warm-up: one fit per variant (compilation), in an order rotated by the
+    # process index; under JAX the first one's memory is clean.
+    order = list(variants)
+    shift = (args.worker or 0) % max(1, len(order))
+    order = order[shift:] + order[:shift]
+    jax_mem = {}
+    for i, name in enumerate(order):
+        t0 = time.perf_counter()
+        try:
+            variants[name].fit(x, y, args.warmup, args.batch)
+        except Exception as e:  # noqa: BLE001
+            problems[name] = e
+            del variants[name]
+            continue
+        print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        if backend == "jax" and i == 0 and args.memory:
+            jax_mem[name] = _jax_memory()
+    samples = {name: [] for name in variants}
+    losses = {name: [] for name in variants}
+    rng = random.Random(args.worker or 0)
+    names = list(variants)
+    for r in range(args.rounds):
+        if r:
+            rng.shuffle(names)
+        for name in names:
+            if name in problems:
+                continue
+            try:
+                ms, ls = variants[name].fit(x, y, args.steps, args.batch, measure_memory=(r == 0 and args.memory))
+            except Exception as e:  # noqa: BLE001
+                problems[name] = e
+                continue
+            samples[name] += ms
+            losses[name] += ls
+        print(f"round {r}: " + ", ".join(f"{n} {statistics.median(samples[n]):.2f}" for n in names
+                                         if samples[n] and n not in problems) + " ms/step", flush=True)
+    for name in keras_variants(args, backend) + peer_names:
+        stack = "torch" if name in PEERS else row
+        if name in problems:
+            timing.emit(timing.variant_record(name, problems[name], row=stack))
+            continue
+        med = statistics.median(samples[name])
+        mem = variants[name].mem_gib if backend == "torch" else jax_mem.get(name)
+        timing.emit(timing.variant_record(name, med, row=stack, tok_per_s=tokens / med * 1e3, steps=len(samples[name]),
+                                          mem_gib=mem, loss_first=losses[name][0], loss_last=losses[name][-1]))
+
+
+# --------------------------------------------------------------------------- tables
+HEADER = "| stack | variant | ms per step | tok/s | speed-up over the stack's mixed_bfloat16 | step memory, GiB |"
+RATIO_HEADER = "| ratio | value |"
+LABELS = {
+    "mixed_bfloat16": "mixed_bfloat16 (Dense)",
+    "mixed_bfloat16" + SHORTCUT: "mixed_bfloat16, Dense with the host-path shortcut",
+    "torch-bf16": "bf16 autocast, compiled blocks",
+    "torchao": "torchao float8 tensorwise, compiled blocks",
+}
+STACKS = {"keras-torch": "Keras, torch backend", "keras-jax": "Keras, JAX backend", "torch": "plain PyTorch"}
+
+
+def _sep(h):
+    return "|" + "---|" * (h.count("|") - 1)
+
+
+def _variants_of(res, row):
+    seen = []
+    for d in res.index:
+        for (r, v) in d:
+            if r == row and v not in seen:
+                seen.append(v)
+    return seen
+
+
+def tables(per_process, args=None):
+    res = timing.Results(per_process, row_key="row")
+    out = [f"# {timing.env_line(res.env())}; processes per backend: {len(per_process)}", "", HEADER, _sep(HEADER)]
+    for row in res.rows():
+        for v in _variants_of(res, row):
+            base = "torch-bf16" if row == "torch" else "mixed_bfloat16"
+            label = LABELS.get(v, v.replace(MONITOR, " + FP8Monitor"))
+            if timing.summary(res.values(row, v)) is None:
+                out.append(f"| {STACKS.get(row, row)} | {label} | {res.problem(row, v)} | - | - | - |")
+                continue
+            ratio = res.ratio(row, v, base) if v != base else "1.00x"
+            out.append(f"| {STACKS.get(row, row)} | {label} | {res.ms(row, v, fmt='{:.2f}')} "
+                       f"| {res.ms(row, v, field='tok_per_s', fmt='{:.0f}')} | {ratio} "
+                       f"| {res.ms(row, v, field='mem_gib', fmt='{:.2f}')} |")
+    out += ["", "Ratios (speed-ups; within each process, summarized over processes):", "", RATIO_HEADER,
+            _sep(RATIO_HEADER)]
+    fp8 = None
+    for row in res.rows():
+        for v in _variants_of(res, row):
+            if row != "torch" and v not in ("mixed_bfloat16", "mixed_bfloat16" + SHORTCUT) and MONITOR not in v:
+                fp8 = fp8 or v
+    for row in ("keras-torch", "keras-jax"):
+        if row not in res.rows() or fp8 is None:
+            continue
+        name = STACKS[row]
+        out.append(f"| {name}: {fp8} over mixed_bfloat16 | {res.ratio(row, fp8, 'mixed_bfloat16')} |")
+        if "mixed_bfloat16" + SHORTCUT in _variants_of(res, row):
+            out.append(f"| {name}: {fp8} over mixed_bfloat16 with the shortcut (FP8's share) "
+                       f"| {res.ratio(row, fp8, 'mixed_bfloat16' + SHORTCUT)} |")
+            out.append(f"| {name}: the shortcut alone (bf16 with it over bf16 without) "
+                       f"| {res.ratio(row, 'mixed_bfloat16' + SHORTCUT, 'mixed_bfloat16')} |")
+        if fp8 + MONITOR in _variants_of(res, row):
+            out.append(f"| {name}: FP8Monitor's cost (step time with it over without) "
+                       f"| {res.ratio(row, fp8, fp8 + MONITOR)} |")
+    if "torch" in res.rows():
+        out.append(f"| plain PyTorch: torchao over bf16 | {res.ratio('torch', 'torchao', 'torch-bf16')} |")
+        if "keras-jax" in res.rows() and fp8:
+            # Different processes (the JAX and torch workers): medians of the two.
+            a = timing.summary(res.values("torch", "torchao"))
+            b = timing.summary(res.values("keras-jax", fp8))
+            text = (f"{a[0] / b[0]:.2f}x (medians of separate processes)" if a and b
+                    else res.problem("torch", "torchao") or res.problem("keras-jax", fp8) or "-")
+            out.append(f"| Keras JAX {fp8} over plain PyTorch + torchao | {text} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker is not None or args.processes <= 0:
+        return timing.main_or_worker(__file__, argv, args, worker, tables)
+    per_process = timing.run_per_backend(__file__, argv, args, args.backends.split(","))
+    timing.write_json(args.json, per_process)
+    print(tables(per_process, args))
+    return per_process
 
 
 if __name__ == "__main__":

@@ -1,10 +1,22 @@
-"""Fused FP8 quantize bandwidth: cast + transpose + amax + history update.
+"""The fused quantize kernels' bandwidth: bytes moved per second.
 
-    python benchmarks/quantize.py [--shape 16384x4096] [--iters 100]
+    python benchmarks/quantize.py [--processes 3] [--shapes 16384x4096,16384x14336]
+    python benchmarks/quantize.py --dry-run        # CPU, tiny shapes: the table code
 
-Counts the fewest bytes each variant must move (x read once; q, q_t written
-once) over the median time (CUDA events, after warm-up), in TB/s, next to a
-device-to-device copy and the eager-torch recipe (amax, scale, cast).
+For a bf16 x of each shape, times the ops of `torch_ops.ops` that the FP8
+linear runs (the kernels where they serve the GPU, the reference elsewhere):
+
+- `copy`: a device-to-device copy of x, the bandwidth ceiling;
+- `delayed`, `delayed_t`: delayed scaling (one read of x writes q, the
+  amax, the history shift and the next scale), without and with q_t;
+- `current`, `current_t`: current scaling (the scale from x's own amax);
+- `tiles`, `tiles_t`: 1 x 128 tiles of x's rows (activations), of its
+  columns (the transposed layout the weight gradient needs), each with its
+  scales; `blocks`: 128 x 128 blocks with q and q_t (weights).
+
+Bytes counted: x read once, each FP8 output written once (scales and
+histories are negligible). Each sample is 10 back-to-back calls between
+CUDA events (the host queues ahead), interleaved across variants.
 """
 
 from __future__ import annotations
@@ -12,112 +24,137 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_ops  # noqa: E402
-from benchmarks.timing import cuda_graph_median_ms, cuda_median_ms  # noqa: E402
+
+from benchmarks import timing  # noqa: E402
+
+SHAPES = [(16384, 4096), (16384, 14336)]
+DRY_RUN_SHAPES = [(256, 256)]
+VARIANTS = ["copy", "delayed", "delayed_t", "current", "current_t", "tiles", "tiles_t", "blocks"]
+LABELS = {
+    "copy": "device copy (x.clone())",
+    "delayed": "quantize_delayed: q",
+    "delayed_t": "quantize_delayed: q + q_t",
+    "current": "quantize_current: q",
+    "current_t": "quantize_current: q + q_t",
+    "tiles": "quantize_tiles (1 x 128): q + scales",
+    "tiles_t": "quantize_tiles, transposed (128 x 1): q_t + scales",
+    "blocks": "quantize_blocks (128 x 128): q + q_t + scales",
+}
+# The block kernels' ops (absent from a torch_ops without block scaling).
+BLOCK_OPS = {"tiles": "quantize_tiles", "tiles_t": "quantize_tiles", "blocks": "quantize_blocks"}
+# FP8 bytes written per element of x.
+OUT_BYTES = {"copy": None, "delayed": 1, "delayed_t": 2, "current": 1, "current_t": 2, "tiles": 1, "tiles_t": 1,
+             "blocks": 2}
 
 
-def bench(fn, iters=100, warmup=10):
-    return cuda_median_ms(fn, iters, warmup)
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Fused quantize kernels: TB/s.")
+    p.add_argument("--shapes", default=None, help="RxC,... of the bf16 x (default 16384x4096,16384x14336)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10, help="samples per variant and round")
+    p.add_argument("--calls", type=int, default=10, help="back-to-back calls per sample")
+    p.add_argument("--dry-run", action="store_true")
+    timing.add_process_arguments(p)
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
+    if args.shapes:
+        try:
+            args.shape_list = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        except ValueError:
+            p.error(f"--shapes: expected RxC[,RxC...], got {args.shapes!r}")
+    else:
+        args.shape_list = DRY_RUN_SHAPES if args.dry_run else SHAPES
+    if args.dry_run:
+        args.rounds, args.iters, args.calls = 1, 2, 1
+    return args
 
 
-def bench_graph(fn, iters=20, per_graph=10):
-    """GPU time only: per_graph calls captured in one CUDA graph, replayed."""
-    return cuda_graph_median_ms(fn, iters, warmup=2, per_graph=per_graph)
+def build_variants(names, x):
+    import torch
+    import torch_ops
+    from torch_ops import ops
+
+    e4 = torch.float8_e4m3fn
+    hist = torch.zeros(1024, device=x.device)
+    scale = torch.ones((), device=x.device)
+    torch_ops.quantize_delayed(x, hist, scale, e4)  # a recorded history: the steady state
+    fns = {
+        "copy": lambda: x.clone(),
+        "delayed": lambda: torch_ops.quantize_delayed(x, hist, scale, e4),
+        "delayed_t": lambda: torch_ops.quantize_delayed(x, hist, scale, e4, transpose=True),
+        "current": lambda: torch_ops.quantize_current(x, e4),
+        "current_t": lambda: torch_ops.quantize_current(x, e4, transpose=True),
+        "tiles": lambda: ops.quantize_tiles(x, e4, False, 0.0, False),
+        "tiles_t": lambda: ops.quantize_tiles(x, e4, True, 0.0, False),
+        "blocks": lambda: ops.quantize_blocks(x, e4, 0.0, False),
+    }
+    out = {}
+    for name in names:
+        op = BLOCK_OPS.get(name)
+        out[name] = fns[name] if op is None or hasattr(ops, op) else f"torch_ops.ops.{op} not present"
+    return out
+
+
+def worker(args):
+    import torch
+    import torch_ops
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = "cuda" if cuda else "cpu"
+    timer = timing.cuda_timer if cuda else timing.wall_timer()
+    env = timing.environment()
+    env["kernels"] = bool(cuda and torch_ops.is_available())
+    timing.emit({"env": env})
+    names = args.variants.split(",")
+    for r, c in args.shape_list:
+        torch.manual_seed(0)
+        x = torch.randn(r, c, device=device, dtype=torch.bfloat16)
+        fns = build_variants(names, x)
+        medians = timing.interleaved_medians({v: f for v, f in fns.items() if callable(f)}, rounds=args.rounds,
+                                             iters=args.iters, warmup=2, calls=args.calls, timer=timer,
+                                             seed=args.worker or 0)
+        n = r * c
+        for v in names:
+            value = medians.get(v, fns[v])
+            nbytes = 2 * n + (2 * n if OUT_BYTES[v] is None else OUT_BYTES[v] * n)
+            rec = timing.variant_record(v, value, shape=f"{r}x{c}", bytes=nbytes)
+            if "ms" in rec:
+                rec["tbps"] = nbytes / (rec["ms"] * 1e-3) / 1e12
+            timing.emit(rec)
+        del x, fns
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+HEADER = "| x (bf16) | kernel | bytes moved | us | TB/s |"
+
+
+def tables(per_process, args=None):
+    res = timing.Results(per_process, row_key="shape")
+    out = [f"# {timing.env_line(res.env())}; processes: {len(per_process)}", "", HEADER,
+           "|" + "---|" * (HEADER.count("|") - 1)]
+    for row in res.rows():
+        for v in VARIANTS:
+            recs = [r for r in res.records(row, v) if r]
+            if not recs:
+                continue
+            nbytes = recs[0].get("bytes", 0)
+            us = [None if x is None else x * 1e3 for x in res.values(row, v)]
+            us_cell = timing.cell(us, "{:.1f}") if timing.summary(us) else res.problem(row, v)
+            tb_cell = res.ms(row, v, field="tbps", fmt="{:.2f}") if timing.summary(us) else "-"
+            out.append(f"| {row.replace('x', ' x ')} | {LABELS[v]} | {nbytes / 1e6:.4g} MB | {us_cell} | {tb_cell} |")
+    return "\n".join(out)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="16384x4096")
-    p.add_argument("--iters", type=int, default=100)
-    a = p.parse_args(argv)
-    R, C = (int(v) for v in a.shape.split("x"))
-    dev = "cuda"
-    e4 = torch.float8_e4m3fn
-    x = torch.randn(R, C, device=dev, dtype=torch.bfloat16)
-    n = x.numel()
-    hist = torch.zeros(1024, device=dev)
-    scale = torch.ones((), device=dev)
-    torch_ops.quantize_delayed(x, hist, scale, e4)  # history non-empty from here on
-    s_fixed = torch.tensor(0.01, device=dev)
-
-    def eager():
-        am = x.abs().amax().float()
-        s = am / 448.0
-        q = (x.float() / s).clamp(-448, 448).to(e4)
-        return q, q.t().contiguous()
-
-    def delayed_t():
-        return torch_ops.quantize_delayed(x, hist, scale, e4, transpose=True)
-
-    x32 = x.float()
-    hist32 = torch.zeros(1024, device=dev)
-    scale32 = torch.ones((), device=dev)
-    torch_ops.quantize_delayed(x32, hist32, scale32, e4)
-
-    def delayed_t32():
-        return torch_ops.quantize_delayed(x32, hist32, scale32, e4, transpose=True)
-
-    # (name, fn, bytes, setup): setup is the transposing kernel version (None:
-    # the default), or (version, tiles per warp, tile rows per block,
-    # programmatic launch, pre-pass) for the lean kernel's options
-    # (set_lean_options; set_delayed_prepass: 1 a pre-pass finds delayed
-    # scaling's scale, 0 the lean kernel checks the history itself, -1 the
-    # default).
-    variants = [
-        ("device copy (x.clone())", lambda: x.clone(), 2 * n * 2, None),
-        ("eager torch: amax + scale + cast + transpose", eager, 2 * n + n + n, None),
-        ("ours: quantize (given scale), q + amax", lambda: torch_ops.quantize(x, s_fixed, e4), 2 * n + n, None),
-        ("ours: quantize (given scale), q + q_t + amax",
-         lambda: torch_ops.quantize(x, s_fixed, e4, transpose=True), 2 * n + 2 * n, None),
-        ("ours: quantize_delayed, q + q_t + amax + history + next scale", delayed_t, 2 * n + 2 * n, None),
-        ("ours: the same, tile kernel v2 (register loads)", delayed_t, 2 * n + 2 * n, 2),
-        ("ours: the same, tile kernel v3 (cp.async double buffer)", delayed_t, 2 * n + 2 * n, 3),
-        ("ours: the same, tile kernel v5 (lean: registers only, a 64x64 tile per warp, 2 x 4 per block)", delayed_t, 2 * n + 2 * n, 5),
-        ("ours: v5 with a pre-pass for the scale (before the eleventh session)", delayed_t, 2 * n + 2 * n,
-         (5, 1, 2, -1, 1)),
-        ("ours: v5, a pre-pass, no programmatic launch after it", delayed_t, 2 * n + 2 * n, (5, 1, 2, 0, 1)),
-        ("ours: v5, history checked in the kernel, fallback launch not early", delayed_t, 2 * n + 2 * n,
-         (5, 1, 2, 0, 0)),
-        ("ours: v5 before the ninth session: 2 tiles per warp, 8 side by side, a pre-pass, no programmatic launch",
-         delayed_t, 2 * n + 2 * n, (5, 2, 1, 0, 1)),
-        ("ours: v5, 2 tiles per warp, 8 side by side", delayed_t, 2 * n + 2 * n, (5, 2, 1, -1, -1)),
-        ("ours: v5, blocks of 4 x 2 tiles", delayed_t, 2 * n + 2 * n, (5, 1, 4, -1, -1)),
-        ("ours: float32 x (a master weight), q + q_t, tile kernel v2 (before v5)", delayed_t32, 4 * n + 2 * n, 2),
-        ("ours: float32 x (a master weight), q + q_t, tile kernel v5 (lean)", delayed_t32, 4 * n + 2 * n, 5),
-        ("ours: float32 x, v5 with a pre-pass (before the eleventh session)", delayed_t32, 4 * n + 2 * n,
-         (5, 1, 2, -1, 1)),
-        ("ours: quantize_delayed, q + amax + history (no transpose)",
-         lambda: torch_ops.quantize_delayed(x, hist, scale, e4), 2 * n + n, None),
-        ("ours: amax + history only (no fp8 output)",
-         lambda: torch.ops.torch_ops.quantize_delayed(x, hist, scale, e4, 0.0, "max", False, True, True, False),
-         2 * n, None),
-        ("ours: quantize_current (two passes over x), q + q_t",
-         lambda: torch_ops.quantize_current(x, e4, transpose=True), 2 * n + 2 * n, None),
-    ]
-    ext = torch_ops._build.load()
-    props = torch.cuda.get_device_properties(0)
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {props.name}; torch {torch.__version__}; "
-          f"CUDA {torch.version.cuda}; x = {R} x {C} bfloat16")
-    print("\nGPU time from CUDA-graph replay (10 calls per graph); 'eager us' adds the host-side launch path.\n")
-    print("| variant | us (graph) | bytes (min) | TB/s | eager us |")
-    print("|---|---|---|---|---|")
-    for name, fn, nbytes, setup in variants:
-        version, *lean, prepass = setup if isinstance(setup, tuple) else (setup, 1, 2, -1, -1)
-        prev = ext.set_tile_version(version or 0)
-        prev_lean, prev_prepass = ext.set_lean_options(*lean), ext.set_delayed_prepass(prepass)
-        try:
-            ms = bench_graph(fn)
-            ms_e = bench(fn, a.iters)
-        finally:
-            ext.set_tile_version(prev)
-            ext.set_lean_options(*prev_lean)
-            ext.set_delayed_prepass(prev_prepass)
-        print(f"| {name} | {ms * 1e3:.1f} | {nbytes / 1e6:.0f} MB | {nbytes / (ms * 1e-3) / 1e12:.2f} | {ms_e * 1e3:.1f} |")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    return timing.main_or_worker(__file__, argv, args, worker, tables)
 
 
 if __name__ == "__main__":

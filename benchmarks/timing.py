@@ -1,14 +1,52 @@
-"""Shared timing helper of the benchmarks (CUDA events, median)."""
+"""How every benchmark measures: timers, interleaved medians, fresh processes.
 
+Speed is a ratio within one run. Each benchmark script times its variants
+side by side in one process (`interleaved_medians`: rounds in a shuffled
+order, so drifts of clocks, power and temperature fall on all variants
+alike), repeats that in `--processes` fresh processes (`run_processes`), and
+reports per cell the median over the processes of the per-process medians,
+with their range: `cell([...])` -> "2.391 [2.385-2.402]". A ratio is taken
+within each process first, then summarized the same way (`ratio_cell`).
+
+A worker process prints its measurements as `RESULT {json}` lines; the
+parent collects them from every worker (`parse_results`), so a worker that
+dies still leaves what it printed. A variant that cannot run is a record
+with `"error"` (it raised) or `"skipped"` (not importable, GPU only): its
+cells read "n/a (...)" and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
 import random
+import re
 import statistics
+import subprocess
+import sys
+import threading
+import time
 
-import torch
+RESULT_PREFIX = "RESULT "
 
 
-def _timed_ms(fn, calls=1):
-    """Milliseconds per call of `calls` back-to-back `fn()` calls between two
-    CUDA events, synchronized once at the end."""
+# --------------------------------------------------------------------------- timers
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def cuda_timer(fn, calls: int = 1) -> float:
+    """Milliseconds per call of `calls` back-to-back `fn()` calls between
+    two CUDA events, synchronized once at the end (host time before the
+    first kernel counts)."""
+    import torch
+
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     start.record()
@@ -19,76 +57,370 @@ def _timed_ms(fn, calls=1):
     return start.elapsed_time(end) / calls
 
 
-def cuda_median_ms(fn, iters=30, warmup=5):
-    """Median milliseconds of `fn()` over `iters` runs after `warmup` runs.
+def wall_timer(sync=None):
+    """A timer like `cuda_timer` on the host clock; `sync(result)` waits for
+    a call's result (e.g. `jax.block_until_ready`; None: nothing to wait for)."""
 
-    Each run is timed with CUDA events and synchronized, so host time before
-    the first kernel of a run counts too.
-    """
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    return statistics.median(_timed_ms(fn) for _ in range(iters))
+    def timer(fn, calls: int = 1) -> float:
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn()
+        if sync is not None:
+            sync(out)
+        return (time.perf_counter() - t0) * 1e3 / calls
 
-
-def capture_graph(fn, per_graph=1):
-    """A CUDA graph of `per_graph` calls of `fn()`, captured after 3 eager
-    warm-up calls on a side stream and replayed once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
+    return timer
 
 
-def cuda_graph_median_ms(fn, iters=20, warmup=3, per_graph=1):
-    """GPU time of one `fn()` without host overhead: `per_graph` calls captured
-    in one CUDA graph (`capture_graph`), the graph replayed under
-    `cuda_median_ms`, divided by `per_graph`."""
-    graph = capture_graph(fn, per_graph)
-    return cuda_median_ms(graph.replay, iters, warmup) / per_graph
+def interleaved_medians(fns, *, rounds=5, iters=6, warmup=3, calls=1, timer=cuda_timer, seed=0):
+    """Median milliseconds per call of each function, measured side by side.
 
-
-def interleaved_median_ms(fns, rounds=5, iters=6, warmup=3, calls=1):
-    """`cuda_median_ms` for several functions measured side by side.
-
-    Each of `rounds` rounds times every function `iters` times in turn, so
-    slow drifts of the GPU (clocks, power, temperature) fall on all of them
-    alike; the result is each function's median over its `rounds * iters`
-    samples. The order of the functions changes from round to round (a
-    seeded shuffle): host-bound calls ran up to 15% slower right after
-    some neighbours than after others, and a fixed order gave the same
-    function the same neighbour every round.
+    Each of `rounds` rounds times every function `iters` times in turn, in
+    an order shuffled from round to round (seeded), so that slow drifts and
+    the effect of a neighbour fall on all functions alike. A function that
+    raises (in warm-up or later) is dropped and its error returned instead.
 
     Args:
         fns: Dict from name to a function of no arguments.
-        calls: Back-to-back calls per sample (per-call time of the sample).
-            1 (default): each call synchronized on its own, so host time
-            before the first kernel counts in full (latency); more: the
-            host queues ahead of the GPU, and a sample is max(host, GPU)
-            time per call (throughput, as inside a training loop).
+        rounds, iters: `rounds * iters` samples per function.
+        warmup: Untimed calls per function first (compilation, autotuning).
+        calls: Back-to-back calls per sample (1: each call synchronized).
+        timer: `timer(fn, calls) -> ms per call` (`cuda_timer`, `wall_timer`).
 
     Returns:
-        Dict from name to median milliseconds.
+        Dict from name to the median ms, or to the exception it raised.
     """
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    samples = {name: [] for name in fns}
-    order = list(fns)
-    shuffle = random.Random(0).shuffle
+    out = {}
+    live = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+            timer(fn, 1)
+            live[name] = fn
+        except Exception as e:  # noqa: BLE001 (reported as the variant's cell)
+            out[name] = e
+    samples = {name: [] for name in live}
+    order = list(live)
+    rng = random.Random(seed)
     for r in range(rounds):
         if r:
-            shuffle(order)
+            rng.shuffle(order)
         for name in order:
-            samples[name] += [_timed_ms(fns[name], calls) for _ in range(iters)]
-    return {name: statistics.median(times) for name, times in samples.items()}
+            if name in out:
+                continue
+            try:
+                samples[name] += [timer(live[name], calls) for _ in range(iters)]
+            except Exception as e:  # noqa: BLE001
+                out[name] = e
+    for name, times in samples.items():
+        if name not in out:
+            out[name] = statistics.median(times)
+    return {name: out[name] for name in fns}
+
+
+def describe_error(e: BaseException, limit: int = 80) -> str:
+    """`Type: the message's first informative line`, cut to `limit`
+    characters (Keras's "Exception encountered when calling ..." wrapper
+    line and terminal colour codes dropped)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(e).splitlines()]
+    lines = [line for line in lines if line and not line.startswith("Exception encountered when calling")]
+    text = type(e).__name__ + (f": {lines[0]}" if lines else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- records
+def emit(record: dict) -> None:
+    """Prints one measurement as a `RESULT` line (JSON)."""
+    print(RESULT_PREFIX + json.dumps(record, sort_keys=True), flush=True)
+
+
+def parse_results(text: str) -> list:
+    """The records of the `RESULT` lines in `text` (other lines ignored)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            try:
+                out.append(json.loads(line[len(RESULT_PREFIX):]))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def variant_record(name: str, value, **fields) -> dict:
+    """A record for variant `name`: `ms` for a number, `error` for an
+    exception, `skipped` for a string (the reason)."""
+    record = {"variant": name, **fields}
+    if isinstance(value, BaseException):
+        record["error"] = describe_error(value)
+    elif isinstance(value, str):
+        record["skipped"] = value
+    elif value is not None:
+        record["ms"] = float(value)
+    return record
+
+
+def environment() -> dict:
+    """Versions and the device of this process (the table's header). Reads
+    package metadata and nvidia-smi: imports nothing."""
+    from importlib import metadata
+
+    env = {"python": platform.python_version(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    for key, dist in (("torch", "torch"), ("torchao", "torchao"), ("transformer_engine", "transformer_engine"),
+                      ("jax", "jax"), ("keras", "keras")):
+        try:
+            env[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    if "torch" in sys.modules:
+        env["cuda"] = sys.modules["torch"].version.cuda
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if smi.returncode == 0 and smi.stdout.strip():
+            name, _, driver = smi.stdout.strip().splitlines()[0].rpartition(",")
+            env["gpu"], env["driver"] = name.strip(), driver.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return env
+
+
+# --------------------------------------------------------------------------- processes
+def add_process_arguments(parser, default=3):
+    """`--processes N`, and the worker flags the parent passes on."""
+    parser.add_argument("--processes", type=int, default=default,
+                        help="fresh worker processes, run one after the other (default %(default)s); "
+                             "0 measures in this process")
+    parser.add_argument("--process-timeout", type=float, default=900.0,
+                        help="seconds one worker may take before it is stopped (what it printed counts)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds for all workers: no worker is started where less is left than the one "
+                             "before it took")
+    parser.add_argument("--json", default=None, help="also write every worker's records to this file")
+    parser.add_argument("--worker", type=int, default=None, help=argparse_suppress())
+    return parser
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+PARENT_FLAGS = ("--processes", "--json", "--process-timeout", "--time-budget")
+
+
+def worker_argv(argv):
+    """`argv` without the parent's own flags (--processes, --json, ...)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in PARENT_FLAGS:
+            skip = True
+            continue
+        if a.startswith(tuple(f + "=" for f in PARENT_FLAGS)):
+            continue
+        out.append(a)
+    return out
+
+
+def run_processes(script, argv, n, timeout=900.0, envs=(None,), budget=None, echo=True):
+    """Runs `script` with `argv` in `n` fresh Python processes per
+    environment in `envs` (each with `--worker i`), one after the other and
+    interleaved across environments (process 0 of each, then 1, ...),
+    echoing their output prefixed with `[i]`.
+
+    Args:
+        timeout: Seconds one process may take (then it is stopped; what it
+            printed counts).
+        envs: Environment dicts (None: this process's), e.g. one per Keras
+            backend.
+        budget: Seconds for all of them: a process is not started where
+            less is left than the previous process of its environment took
+            (the table is then made from the processes that ran).
+
+    Returns:
+        One list per environment of each process's records.
+    """
+    out = [[] for _ in envs]
+    start = time.time()
+    last = [0.0 for _ in envs]
+    for i in range(n):
+        for j, env in enumerate(envs):
+            left = None if budget is None else budget - (time.time() - start)
+            if left is not None and (left < 1.1 * last[j] or left <= 5):
+                print(f"[{i}] not started: {left:.0f} s left of the {budget:.0f}-s budget", flush=True)
+                continue
+            limit = timeout if left is None else min(timeout, left)
+            cmd = [sys.executable, script, *argv, "--worker", str(i)]
+            t0 = time.time()
+            lines = []
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                    env=env)
+
+            def read(proc=proc, lines=lines, i=i):
+                for line in proc.stdout:
+                    lines.append(line)
+                    if echo:  # RESULT lines too: the log then holds every number
+                        print(f"[{i}] {line}", end="", flush=True)
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            try:
+                proc.wait(timeout=max(1.0, limit))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                print(f"[{i}] stopped after {limit:.0f} s", flush=True)
+            reader.join(timeout=10)
+            took = time.time() - t0
+            last[j] = took
+            records = parse_results("".join(lines))
+            label = "" if env is None else f" ({env.get('KERAS_BACKEND', '')})"
+            print(f"[{i}]{label} exit {proc.returncode} after {took:.1f} s, {len(records)} records", flush=True)
+            out[j].append(records)
+    return out
+
+
+def run_per_backend(script, argv, args, backends):
+    """`run_processes` once per Keras backend (KERAS_BACKEND set for each),
+    the records of process i of every backend merged into one list."""
+    envs = [{**os.environ, "KERAS_BACKEND": b} for b in backends]
+    runs = run_processes(os.path.abspath(script), worker_argv(argv), args.processes, args.process_timeout, envs,
+                         args.time_budget)
+    per_process = [[] for _ in range(args.processes)]
+    for backend_runs in runs:
+        for i, records in enumerate(backend_runs):
+            per_process[i] += records
+    return [p for p in per_process if p]
+
+
+def write_json(path, per_process):
+    if path:
+        with open(path, "w") as f:
+            json.dump(per_process, f, indent=1)
+
+
+# --------------------------------------------------------------------------- summaries
+def summary(values):
+    """(median, min, max) of the finite numbers in `values`, or None."""
+    vals = [v for v in values if v is not None and isinstance(v, (int, float)) and math.isfinite(v)]
+    if not vals:
+        return None
+    return statistics.median(vals), min(vals), max(vals)
+
+
+def cell(values, fmt="{:.3f}", suffix=""):
+    """"median [min-max]" of `values` (one value: no range), or "-"."""
+    s = summary(values)
+    if s is None:
+        return "-"
+    med, lo, hi = s
+    if len([v for v in values if v is not None]) == 1:
+        return fmt.format(med) + suffix
+    return f"{fmt.format(med)}{suffix} [{fmt.format(lo)}-{fmt.format(hi)}]"
+
+
+def ratio_cell(pairs, fmt="{:.2f}"):
+    """The ratio num/den taken per process, summarized as `cell` with an
+    "x" suffix; `pairs` is a list of (num, den) per process."""
+    return cell([n / d for n, d in pairs if n is not None and d is not None and d > 0], fmt, "x")
+
+
+class Results:
+    """The records of all workers, indexed by (row, variant) per process.
+
+    Args:
+        per_process: One list of records per worker (`run_processes`).
+        row_key: The record field naming the table row (e.g. "shape").
+    """
+
+    def __init__(self, per_process, row_key="row"):
+        self.per_process = per_process
+        self.row_key = row_key
+        self.index = []
+        for records in per_process:
+            d = {}
+            for r in records:
+                if "variant" in r:
+                    d[(r.get(row_key), r["variant"])] = r
+            self.index.append(d)
+
+    def env(self):
+        for records in self.per_process:
+            for r in records:
+                if "env" in r:
+                    return r["env"]
+        return {}
+
+    def rows(self):
+        seen = []
+        for d in self.index:
+            for row, _ in d:
+                if row not in seen:
+                    seen.append(row)
+        return seen
+
+    def records(self, row, variant):
+        return [d.get((row, variant)) for d in self.index]
+
+    def values(self, row, variant, field="ms"):
+        return [None if r is None else r.get(field) for r in self.records(row, variant)]
+
+    def problem(self, row, variant):
+        """"n/a (...)" when the variant has no value in any process."""
+        recs = [r for r in self.records(row, variant) if r is not None]
+        if not recs:
+            return "n/a (not run)"
+        for key, label in (("error", "error: "), ("skipped", "")):
+            for r in recs:
+                if key in r:
+                    return f"n/a ({label}{r[key]})"
+        return None
+
+    def ms(self, row, variant, field="ms", fmt="{:.3f}", suffix=""):
+        if summary(self.values(row, variant, field)) is None:
+            return self.problem(row, variant) or "-"
+        return cell(self.values(row, variant, field), fmt, suffix)
+
+    def ratio(self, row, num, den, field="ms", fmt="{:.2f}", inverse=True):
+        """Per-process ratio of two variants, summarized. `inverse` (time):
+        den_time / num_time, i.e. the speed-up of `num` over `den`."""
+        a, b = self.values(row, num, field), self.values(row, den, field)
+        pairs = [(y, x) if inverse else (x, y) for x, y in zip(a, b)]
+        text = ratio_cell(pairs, fmt)
+        if text == "-":
+            return self.problem(row, num) or self.problem(row, den) or "-"
+        return text
+
+
+def env_line(env: dict) -> str:
+    keys = ("gpu", "driver", "cuda", "torch", "torchao", "transformer_engine", "jax", "keras", "python", "date")
+    return "; ".join(f"{k} {env[k]}" for k in keys if env.get(k))
+
+
+def main_or_worker(script, argv, args, worker_fn, table_fn):
+    """The scripts' common entry: a worker measures and prints records; the
+    parent runs `args.processes` workers (or measures in-process for 0)
+    and prints `table_fn(Results-like per_process, args)`."""
+    if args.worker is not None:
+        worker_fn(args)
+        return None
+    if args.processes <= 0:
+        import contextlib
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            worker_fn(args)
+        per_process = [parse_results(buf.getvalue())]
+    else:
+        per_process = run_processes(os.path.abspath(script), worker_argv(argv), args.processes,
+                                    args.process_timeout, budget=args.time_budget)[0]
+    write_json(args.json, per_process)
+    text = table_fn(per_process, args)
+    print(text)
+    return per_process

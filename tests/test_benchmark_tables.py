@@ -1,46 +1,307 @@
-"""The benchmarks' table code on made-up numbers (CPU): a formatting slip
-should fail here, not after minutes of GPU time."""
+"""The benchmarks' arguments, tables and CPU dry runs: a formatting slip or a
+stale API should fail here, not after minutes of GPU time. The tables'
+headers must be the ones docs/benchmarks.md shows."""
 
-import io
 import contextlib
+import io
+import math
+import os
 
+import keras
+import numpy as np
 import pytest
 from absl.testing import parameterized
 
+from benchmarks import keras_layer
+from benchmarks import linear
+from benchmarks import model
+from benchmarks import quality
+from benchmarks import quantize
+from benchmarks import timing
+from tests.backend_utils import REPO
+
 torch = pytest.importorskip("torch")
 
-from benchmarks import linear  # noqa: E402
-from benchmarks import model  # noqa: E402
-
-_KEYS = ["bf16", "floor", "gemms", "ours_fp8", "ours"]
+with open(os.path.join(REPO, "docs", "benchmarks.md")) as f:
+    DOCS = f.read()
 
 
-def _times(torchao, graphs):
-    t = {k: 1.0 + 0.1 * i for i, k in enumerate(_KEYS)}
-    t.update({f"{k}_b2b": 0.9 + 0.1 * i for i, k in enumerate(_KEYS)})
-    t.update({k: (2.0 if graphs else None) for k in ("bf16_g", "ours_g", "floor_g", "gemms_g")})
-    t["torchao"] = 1.5 if torchao else None
-    if torchao:
-        t["torchao_b2b"] = 1.4
-    return t
+def _rows(text, header):
+    """The table rows under `header` in `text` (up to the first blank line)."""
+    lines = text.splitlines()
+    start = lines.index(header)
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
 
 
-class LinearSummaryTest(parameterized.TestCase):
-    @parameterized.product(torchao=[False, True], graphs=[False, True])
-    def test_print_summary(self, torchao, graphs):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            linear.print_summary([((16, 32, 64), _times(torchao, graphs))])
-        rows = [line for line in out.getvalue().splitlines() if line.startswith("| 16x32x64")]
-        self.assertLen(rows, 2)  # the synchronized and the back-to-back table
-        header_cols = [line.count("|") for line in out.getvalue().splitlines() if line.startswith("| M x K x N")]
-        self.assertEqual([row.count("|") for row in rows], header_cols)
-        # ours/bf16 of the synchronized table: 1.0 / 1.4
-        self.assertIn("| 0.71x |", rows[0])
+def _cols(line):
+    return line.count("|")
 
 
-class ModelArgsTest(parameterized.TestCase):
-    def test_interleave_arguments(self):
-        args = model.parse_args(["--interleave", "mixed_bfloat16,fp8_hybrid", "--rounds", "3", "--steps", "4"])
-        self.assertEqual(args.interleave.split(","), ["mixed_bfloat16", "fp8_hybrid"])
-        self.assertEqual((args.rounds, args.steps), (3, 4))
+def _run_worker(module, argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.worker(module.parse_args(argv))
+    return timing.parse_results(out.getvalue())
+
+
+class TimingTest(parameterized.TestCase):
+    def test_cells_and_ratios(self):
+        self.assertEqual(timing.cell([2.0, 1.0, 3.0]), "2.000 [1.000-3.000]")
+        self.assertEqual(timing.cell([2.0]), "2.000")
+        self.assertEqual(timing.cell([None, float("nan")]), "-")
+        # Ratios per process first: (4/2, 9/3) -> 2x and 3x.
+        self.assertEqual(timing.ratio_cell([(4.0, 2.0), (9.0, 3.0)]), "2.50x [2.00-3.00]")
+
+    def test_interleaved_medians_report_errors(self):
+        def bad():
+            raise ValueError("scaling: expected one of ('delayed', 'current'), got 'block'")
+
+        out = timing.interleaved_medians({"ok": lambda: None, "bad": bad}, rounds=2, iters=2, warmup=1,
+                                         timer=timing.wall_timer())
+        self.assertIsInstance(out["ok"], float)
+        self.assertIsInstance(out["bad"], ValueError)
+        record = timing.variant_record("bad", out["bad"], shape="1x2x3")
+        self.assertTrue(record["error"].startswith("ValueError: scaling"))
+
+    def test_keras_wrapped_error(self):
+        e = ValueError("Exception encountered when calling FP8Dense.call().\n\n\x1b[1mno block path\x1b[0m\n\n"
+                       "Arguments received by FP8Dense.call():")
+        self.assertEqual(timing.describe_error(e), "ValueError: no block path")
+
+    def test_worker_argv(self):
+        self.assertEqual(timing.worker_argv(["--processes", "3", "--json", "x.json", "--dry-run", "--processes=2"]),
+                         ["--dry-run"])
+
+    def test_parse_results(self):
+        text = 'noise\nRESULT {"variant": "bf16", "ms": 1.5}\nRESULT {broken\n'
+        self.assertEqual(timing.parse_results(text), [{"variant": "bf16", "ms": 1.5}])
+
+
+def _linear_records(process, block_error=True):
+    t = {"bf16": 8.0, "delayed": 4.0 + 0.1 * process, "current": 4.4, "torchao": 5.0}
+    records = [{"env": {"gpu": "test GPU", "torch": "x"}}]
+    for shape, gemms in (("16384x4096x14336", "fp8"), ("4096x1024x1024", "bf16")):
+        for v in linear.VARIANTS:
+            if v in t:
+                records.append({"variant": v, "shape": shape, "ms": t[v], "ours_gemms": gemms})
+            elif v == "block" and block_error:
+                records.append({"variant": v, "shape": shape, "error": "ValueError: scaling"})
+            else:
+                records.append({"variant": v, "shape": shape, "skipped": "not importable: ModuleNotFoundError"})
+    return records
+
+
+class LinearTest(parameterized.TestCase):
+    def test_headers_are_the_docs(self):
+        self.assertIn(linear.MS_HEADER, DOCS)
+        self.assertIn(linear.RATIO_HEADER, DOCS)
+
+    def test_tables(self):
+        text = linear.tables([_linear_records(p) for p in range(3)])
+        for header in (linear.MS_HEADER, linear.RATIO_HEADER):
+            rows = _rows(text, header)
+            self.assertLen(rows, 2)
+            self.assertEqual([_cols(r) for r in rows], [_cols(header)] * 2)
+        ratio_rows = _rows(text, linear.RATIO_HEADER)
+        # delayed: 8 / (4.0, 4.1, 4.2) -> median 1.95x, range 1.90-2.00.
+        self.assertIn("| 1.95x [1.90-2.00] |", ratio_rows[0])
+        self.assertIn("n/a (error: ValueError: scaling)", ratio_rows[0])
+        self.assertIn("n/a (not importable: ModuleNotFoundError)", ratio_rows[0])
+        self.assertTrue(ratio_rows[1].startswith("| 4096 x 1024 x 1024 (bf16 GEMMs) |"))
+
+    def test_arguments(self):
+        args = linear.parse_args([])
+        self.assertEqual(args.processes, 3)
+        self.assertEqual(args.shape_list[:3], [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096)])
+        self.assertIn((8192, 4096, 4096), args.shape_list)
+        self.assertFalse(args.graphs)
+        with self.assertRaises(SystemExit):
+            linear.parse_args(["--variants", "bf16,nope"])
+
+    def test_dry_run_worker(self):
+        records = _run_worker(linear, ["--dry-run", "--shapes", "32x64x128"])
+        by_variant = {r["variant"]: r for r in records if "variant" in r}
+        self.assertGreater(by_variant["bf16"]["ms"], 0)
+        self.assertGreater(by_variant["delayed"]["ms"], 0)
+        self.assertGreater(by_variant["current"]["ms"], 0)
+        self.assertIn("block", by_variant)  # a time once block scaling lands, an error until then
+        self.assertEqual(by_variant["torchao"]["skipped"], "GPU only")
+        text = linear.tables([records])
+        self.assertLen(_rows(text, linear.MS_HEADER), 1)
+
+
+class QuantizeTest(parameterized.TestCase):
+    def test_dry_run_worker_and_table(self):
+        records = _run_worker(quantize, ["--dry-run"])
+        by_variant = {r["variant"]: r for r in records if "variant" in r}
+        self.assertEqual(set(by_variant), set(quantize.VARIANTS))
+        self.assertGreater(by_variant["delayed_t"]["tbps"], 0)
+        self.assertEqual(by_variant["delayed_t"]["bytes"], 256 * 256 * 4)
+        text = quantize.tables([records, records])
+        self.assertIn(quantize.HEADER, DOCS)
+        rows = _rows(text, quantize.HEADER)
+        self.assertLen(rows, len(quantize.VARIANTS))
+        self.assertEqual({_cols(r) for r in rows}, {_cols(quantize.HEADER)})
+
+
+def _layer_records(backend, p):
+    records = []
+    for v, ms in (("dense_bf16", 9.0), ("fp8_delayed", 5.0), ("fp8_current", 5.5)):
+        records.append({"variant": v, "row": f"{backend} 16384x4096x14336", "ms": ms + 0.1 * p,
+                        "mem_gib": 2.0 if v == "dense_bf16" else 1.5})
+    records.append({"variant": "fp8_block", "row": f"{backend} 16384x4096x14336", "error": "ValueError: x"})
+    return records
+
+
+class KerasLayerTest(parameterized.TestCase):
+    def test_tables(self):
+        per_process = [_layer_records("torch", p) + _layer_records("jax", p) for p in range(3)]
+        text = keras_layer.tables(per_process)
+        for header in (keras_layer.HEADER, keras_layer.MEM_HEADER):
+            self.assertIn(header, DOCS)
+            rows = _rows(text, header)
+            self.assertLen(rows, 2)
+            self.assertEqual({_cols(r) for r in rows}, {_cols(header)})
+        self.assertIn("| 0.75x [0.75-0.75] |", _rows(text, keras_layer.MEM_HEADER)[0])
+
+    def test_dry_run_worker(self):
+        # Under JAX each variant compiles: the bf16 one only under torch.
+        variants = "fp8_delayed,fp8_block" if keras.backend.backend() == "jax" else "dense_bf16,fp8_delayed,fp8_block"
+        records = _run_worker(keras_layer, ["--dry-run", "--variants", variants])
+        by_variant = {r["variant"]: r for r in records if "variant" in r}
+        self.assertGreater(by_variant["fp8_delayed"]["ms"], 0)
+        self.assertIn("mem_gib", by_variant["fp8_delayed"] if keras.backend.backend() == "jax" else {"mem_gib": 0})
+        self.assertIn("fp8_block", by_variant)
+        self.assertEqual(by_variant["fp8_delayed"]["row"], f"{keras.backend.backend()} 64x128x256")
+
+
+def _model_records(p):
+    rows = [("keras-torch", "mixed_bfloat16", 250.0), ("keras-torch", "mixed_bfloat16+shortcut", 240.0),
+            ("keras-torch", "fp8_hybrid", 190.0 + p), ("torch", "torch-bf16", 160.0),
+            ("torch", "torchao", 120.0), ("keras-jax", "mixed_bfloat16", 150.0), ("keras-jax", "fp8_hybrid", 100.0)]
+    out = [{"variant": v, "row": r, "ms": ms, "tok_per_s": 16384 / ms * 1e3, "mem_gib": 20.0} for r, v, ms in rows]
+    out.append({"variant": "fp8_hybrid+monitor", "row": "keras-torch",
+                "skipped": "keras_fp8.callbacks.FP8Monitor not available"})
+    return out
+
+
+class ModelTest(parameterized.TestCase):
+    def test_arguments(self):
+        args = model.parse_args([])
+        self.assertEqual((args.hidden, args.mlp, args.heads, args.blocks, args.seq, args.batch, args.vocab),
+                         (4096, 14336, 32, 4, 2048, 8, 32000))
+        self.assertEqual(args.policy_list, ["mixed_bfloat16", "fp8_hybrid"])
+        small = model.parse_args(["--size", "small", "--seq", "256"])
+        self.assertEqual((small.hidden, small.seq), (1024, 256))
+        self.assertEqual(model.keras_variants(model.parse_args(["--monitor"]), "torch"),
+                         ["mixed_bfloat16", "mixed_bfloat16+shortcut", "fp8_hybrid", "fp8_hybrid+monitor"])
+        self.assertEqual(model.keras_variants(model.parse_args([]), "jax"), ["mixed_bfloat16", "fp8_hybrid"])
+        with self.assertRaises(SystemExit):
+            model.parse_args(["--policies", "fp8_hybrid,mixed_bfloat16"])
+
+    def test_tables(self):
+        text = model.tables([_model_records(p) for p in range(3)])
+        self.assertIn(model.HEADER, DOCS)
+        rows = _rows(text, model.HEADER)
+        self.assertLen(rows, 8)
+        self.assertEqual({_cols(r) for r in rows}, {_cols(model.HEADER)})
+        ratios = "\n".join(_rows(text, model.RATIO_HEADER))
+        self.assertIn("fp8_hybrid over mixed_bfloat16 with the shortcut (FP8's share) | 1.26x [1.25-1.26] |", ratios)
+        self.assertIn("torchao over bf16 | 1.33x [1.33-1.33] |", ratios)
+        self.assertIn("n/a (keras_fp8.callbacks.FP8Monitor not available)", text)
+
+    def test_shortcut_dense_matches_dense(self):
+        if keras.backend.backend() != "torch":
+            self.skipTest("the shortcut is the torch backend's")
+        cls = model.shortcut_dense_class()
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        layer = cls(16, use_bias=False)
+        x = torch.randn(4, 8, dtype=torch.bfloat16)
+        layer.build((None, 8))
+        plain = layer(x)
+        cls.enabled = True
+        try:
+            fast = layer(x)
+        finally:
+            cls.enabled = False
+        self.assertEqual(fast.dtype, plain.dtype)
+        torch.testing.assert_close(fast, plain, rtol=0, atol=0)
+
+
+class QualityTest(parameterized.TestCase):
+    def test_arguments(self):
+        args = quality.parse_args(["--size", "cpu"])
+        self.assertEqual((args.hidden, args.layers, args.seq, args.corpus), (128, 2, 128, "docs"))
+        self.assertEqual(quality.parse_args(["--size", "gpu"]).corpus, "stdlib")
+        self.assertEqual(quality.parse_args(["--dry-run"]).size, "tiny")
+        with self.assertRaises(SystemExit):
+            quality.parse_args(["--recipes", "bf16,fp4"])
+        for policy in quality.RECIPES.values():  # every policy name parses
+            keras.dtype_policies.get(policy)
+
+    def test_data_is_fixed_and_split(self):
+        text, source = quality.corpus_bytes("docs")
+        self.assertGreater(len(text), 10**6)
+        self.assertIn("python_docs.txt", source)
+        train, val = quality.split(text)
+        self.assertEqual(len(train) + len(val), len(text))
+        args = quality.parse_args(["--dry-run"])
+        a = quality.batches(args, train, val)
+        b = quality.batches(args, train, val)
+        for u, v in zip(a, b):
+            np.testing.assert_array_equal(u, v)
+        x, y, xv, yv = a
+        self.assertEqual(x.shape, (args.steps * args.batch, args.seq))
+        np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+        self.assertEqual(xv.shape, (args.val_windows, args.seq))
+
+    def test_gaps_and_table(self):
+        def result(scale, nonfinite=0):
+            curve = [{"step": 0, "val": 5.5}] + [{"step": s, "train": 2.0 * scale + 1 / s, "val": 2.1 * scale}
+                                                 for s in (10, 20)]
+            return {"policy": "p", "curve": curve, "final_train": curve[-1]["train"], "final_val": curve[-1]["val"],
+                    "nonfinite": nonfinite, "skipped": 0, "ms_per_step": 3.0}
+
+        results = {"bf16": result(1.0), "delayed": result(1.005), "current": result(0.99, nonfinite=2),
+                   "block": {"policy": "p", "error": "ValueError: no block path"}}
+        g = quality.gaps(results["delayed"], results["bf16"])
+        self.assertAlmostEqual(g["gap_val"], 0.005)
+        self.assertAlmostEqual(g["max_gap_val"], 0.005)
+        self.assertTrue(math.isfinite(g["max_gap_train"]))
+        text = quality.table(results)
+        self.assertIn(quality.HEADER, DOCS)
+        rows = _rows(text, quality.HEADER)
+        self.assertLen(rows, 4)
+        self.assertEqual({_cols(r) for r in rows}, {_cols(quality.HEADER)})
+        self.assertIn("| +0.50% |", rows[1])
+        self.assertIn("| -1.00% |", rows[2])
+        self.assertIn("n/a (error: ValueError: no block path)", rows[3])
+
+    def test_plot(self):
+        pytest.importorskip("matplotlib")
+        import tempfile
+
+        curve = [{"step": 0, "val": 5.5}, {"step": 3, "train": 3.0, "val": 2.9}, {"step": 6, "train": 2.5, "val": 2.4}]
+        results = {"bf16": {"curve": curve}, "delayed": {"curve": curve},
+                   "block": {"error": "ValueError: no block path"}}
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "q.png")
+            quality.plot(results, quality.parse_args(["--dry-run"]), path)
+            self.assertGreater(os.path.getsize(path), 1000)
+
+    def test_model_builds(self):
+        if keras.backend.backend() != "torch":
+            self.skipTest("backend-agnostic model code, built once (symbolic builds take seconds under JAX)")
+        args = quality.parse_args(["--dry-run"])
+        m = quality.build_model(args, quality.RECIPES["delayed"])
+        self.assertEqual(tuple(m.output.shape), (None, args.seq, 256))
+        # 5 FP8 projections per block, each with its FP8 state.
+        fp8 = [layer for layer in m._flatten_layers() if type(layer).__name__ == "FP8Dense"]
+        self.assertLen(fp8, 5 * args.layers)
+        self.assertEqual(m.optimizer.global_clipnorm, 1.0)
+        keras.backend.clear_session()

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU benchmark run (docs/benchmarks.md): every benchmark the results
+# page needs, one log per script under LOG_DIR (each log holds the tables
+# and every worker's RESULT lines).
+#
+#   bash tools/gpu_bench.sh LOG_DIR [PART...]
+#
+# PART (default: 1 2 3) on one H200, each group planned for one device call
+# of at most 600 s:
+#   1  build linear quantize layer small   (~9 min)
+#   2  build model                         (~7-8 min: torch + JAX, --monitor)
+#   3  quality                             (~4 min: the GPU size, JAX)
+# or the single parts by name. A run stops starting work SECONDS after it
+# began (default 570; GPU_BENCH_SECONDS=...): each part gets at most its own
+# limit and what is left, and passes it on as its scripts' --time-budget, so
+# a part cut short still prints its table from the processes that ran. The
+# compilation caches (kernels, inductor, XLA) live under /tmp: the second
+# and third process of a script reuse the first one's work. Where .whl/
+# holds wheels (Keras is not on the GPU image) they are installed into
+# /tmp/site first, as for tools/gpu_tests.sh. At most 8 files come back from
+# a device call: group 1 writes 7 (summary, build, linear, quantize, layer,
+# model_small; group 2: summary, build, model; group 3: summary, quality and
+# its PNG and JSON).
+set -uo pipefail
+log_dir=${1:?usage: gpu_bench.sh LOG_DIR [PART...]}
+shift
+parts=${*:-1 2 3}
+mkdir -p "$log_dir" && log_dir=$(cd "$log_dir" && pwd)
+cd "$(dirname "$0")/.." || exit 1
+deadline=$(( $(date +%s) + ${GPU_BENCH_SECONDS:-570} ))
+export PYTHONUNBUFFERED=1 TORCH_OPS_REQUIRE_KERNELS=1
+if ls .whl/*.whl > /dev/null 2>&1 && ! python3 -c "import keras" > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed" | tee -a "$log_dir/summary.txt"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
+if [ ! -s "$log_dir/summary.txt" ]; then
+  python3 -c "from benchmarks import timing; print(timing.env_line(timing.environment()))" \
+    >> "$log_dir/summary.txt" 2>&1
+fi
+
+run() {  # run NAME LIMIT COMMAND...: at most LIMIT s (and what is left); @BUDGET@ = that minus 15 s
+  local name=$1 limit=$2; shift 2
+  local left=$(( deadline - $(date +%s) ))
+  (( left < limit )) && limit=$left
+  if (( limit < 30 )); then
+    echo "$name not run: ${left} s left of the run" | tee -a "$log_dir/summary.txt"
+    return
+  fi
+  local args=() a
+  for a in "$@"; do args+=("${a//@BUDGET@/$(( limit - 15 ))}"); done
+  local t0; t0=$(date +%s)
+  timeout "$limit" "${args[@]}" > "$log_dir/$name.txt" 2>&1
+  local rc=$?
+  echo "$name rc=$rc in $(( $(date +%s) - t0 )) s (limit $limit s)" | tee -a "$log_dir/summary.txt"
+}
+
+part() {
+  case $1 in
+    build) run build 150 python3 -m torch_ops build ;;
+    linear) run linear 240 python3 benchmarks/linear.py --processes 3 --time-budget @BUDGET@ \
+        --process-timeout 120 ;;
+    quantize) run quantize 60 python3 benchmarks/quantize.py --processes 3 --time-budget @BUDGET@ \
+        --process-timeout 40 ;;
+    layer) run layer 150 python3 benchmarks/keras_layer.py --processes 3 --backends torch,jax \
+        --time-budget @BUDGET@ --process-timeout 60 ;;
+    small) run model_small 120 python3 benchmarks/model.py --size small --processes 3 --backends torch \
+        --peers none --time-budget @BUDGET@ --process-timeout 60 ;;
+    model) run model 480 python3 benchmarks/model.py --processes 3 --backends torch,jax --monitor \
+        --time-budget @BUDGET@ --process-timeout 170 ;;
+    quality) run quality 450 env KERAS_BACKEND=jax python3 benchmarks/quality.py --size gpu \
+        --time-budget @BUDGET@ --plot "$log_dir/quality_gpu.png" --json "$log_dir/quality_gpu.json" ;;
+    1) part build; part linear; part quantize; part layer; part small ;;
+    2) part build; part model ;;
+    3) part quality ;;
+    *) echo "unknown part $1" | tee -a "$log_dir/summary.txt" ;;
+  esac
+}
+for p in $parts; do
+  part "$p"
+done
