@@ -28,7 +28,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from . import distributed
 from . import extension
+from . import fsdp
 from . import ops
 from . import reference as ref
 from . import settings as settings_lib
@@ -176,9 +178,16 @@ def _compute_dtype_linear(x, weight, bias, weight_layout):
 
 
 # --------------------------------------------------------------------------- the compile path
-def _quantize(scaling, x, history, scale, dt, margin, algo, transpose, record, write_q):
+def _quantize(scaling, x, history, scale, dt, margin, algo, transpose, record, write_q, reduce=True):
     """(q, q_t, scale_used, amax) in the GEMM-ready layouts. Training calls
-    under current scaling store the scale they used in ``scale``."""
+    under current scaling store the scale they used in ``scale``. With an
+    amax reduction group in effect (and ``reduce``: not for a weight, the
+    same on every process), the amax is the group's max
+    (``distributed.quantize_global``)."""
+    group = distributed.reduction_group() if reduce else None
+    if group is not None:
+        return distributed.quantize_global(scaling, x, history, scale, dt, margin, algo, transpose, record, write_q,
+                                           group)
     if scaling == "delayed":
         return ops.quantize_delayed(x, history, scale, dt, margin, algo, transpose, record, True, write_q)
     out = ops.quantize_current(x, scale, dt, margin, transpose, True, write_q)
@@ -255,18 +264,23 @@ def _python_fp8_linear(x, weight, bias, state, fp8_format, scaling, margin, algo
     grad_on = torch.is_grad_enabled()
     need_dx = grad_on and x.requires_grad
     need_dw = grad_on and weight.requires_grad
-    wd = weight.detach()
-    if not wd.is_contiguous():
-        wd = wd.contiguous()
     fwd_dt, grad_dt = ref.FP8_FORMATS[fp8_format]
     record = bool(training) and not _recomputing()
     s = state
     qx, qxt, sx, _ = _quantize(scaling, x2d.detach(), s.input_amax_history, s.input_scale, fwd_dt, margin, algo,
                                need_dw, record, True)
-    # The forward wants the weight as (N, K), dX as (K, N); out_in stores (N, K).
-    qw, qwt, sw, _ = _quantize(scaling, wd, s.kernel_amax_history, s.kernel_scale, fwd_dt, margin, algo,
-                               in_out or need_dx, record, (not in_out) or need_dx)
-    qw_fwd, qw_bwd = (qwt, qw) if in_out else (qw, qwt)
+    # A weight FSDP2 gathered in FP8 comes quantized (its state recorded at the gather).
+    gathered = fsdp.fp8_operands(weight, in_out, need_dx)
+    if gathered is not None:
+        qw_fwd, qw_bwd, sw = gathered
+    else:
+        wd = weight.detach()
+        if not wd.is_contiguous():
+            wd = wd.contiguous()
+        # The forward wants the weight as (N, K), dX as (K, N); out_in stores (N, K).
+        qw, qwt, sw, _ = _quantize(scaling, wd, s.kernel_amax_history, s.kernel_scale, fwd_dt, margin, algo,
+                                   in_out or need_dx, record, (not in_out) or need_dx, reduce=False)
+        qw_fwd, qw_bwd = (qwt, qw) if in_out else (qw, qwt)
     autotune = settings_lib.get_settings().gemm_autotune
     needs_graph = grad_on and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
                                or sink is not None)
@@ -312,11 +326,12 @@ def _entry_args(fp8_format, scaling, margin, amax_compute_algo, weight_layout):
 
 def _eager_entry(x, weight):
     """The extension when the C++ entry may take this call (plain CUDA x and
-    weight the kernels serve, outside torch.compile), else None."""
+    weight the kernels serve, outside torch.compile, no amax reduction
+    group in effect), else None."""
     if (type(x) is not _T and type(x) is not _P) or (type(weight) is not _T and type(weight) is not _P):
         return None
-    if not x.is_cuda or torch.compiler.is_compiling():
-        return None
+    if not x.is_cuda or torch.compiler.is_compiling() or distributed.reduction_group() is not None:
+        return None  # (the C++ entry does not reduce amaxes over processes)
     return extension.kernels_for(x)
 
 
