@@ -133,7 +133,8 @@ def reduce_amax(amax: torch.Tensor, groups) -> torch.Tensor:
     """The max of a 0-d float32 ``amax`` over every process of ``groups`` (a
     ``ProcessGroup`` or a sequence of them, reduced one after the other),
     on the device; NaN anywhere gives inf (non-finite, never recorded, as
-    the NaN a single process would see; NCCL's MAX drops NaN)."""
+    the NaN a single process would see; a collective's MAX need not
+    propagate NaN)."""
     a = torch.where(torch.isnan(amax), float("inf"), amax.to(torch.float32))
     for group in (groups if isinstance(groups, (list, tuple)) else (groups,)):
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)

@@ -30,6 +30,12 @@ def prepare_device(tensor):
     _kernels_for(tensor)
 
 
+def mark_amax_channel(variable):
+    """See `keras_fp8.backends`: marks the variable's torch Parameter for
+    `torch_ops.distributed.prepare_ddp`."""
+    torch_ops.distributed.mark_amax_channel(compat.raw_value(variable))
+
+
 def default_min_gemm_size(x):
     """See `keras_fp8.backends`: torch_ops's setting for `x`'s device."""
     return torch_ops.get_settings().resolved_min_gemm_size(_kernels_for(x) is not None)
