@@ -54,3 +54,8 @@ def test_prepare_ddp_takes_the_gradient_channels_out_of_ddp(runs):
     assert ignored and all(name.endswith("grad_amax_pending") for name in ignored)
     # Both layers' channels, under every name DDP may give them.
     assert len({name.rsplit("/", 2)[-2] for name in ignored}) == 2
+
+
+def test_one_process_evaluates_alone(runs):
+    for recipe in ("delayed", "current"):
+        assert runs[0][recipe]["evaluated_alone"] == (8, 8)

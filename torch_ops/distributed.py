@@ -10,10 +10,12 @@ that every process records the same amax, quantizes with the same scale and
 keeps the same state, equal to one process's over the concatenated batch.
 No host synchronization, no host-side branch: CUDA-graph safe on NCCL.
 
-While a reduction group with more than one process is in effect, the FP8
-linear takes its Python path (``torch_ops/linear.py``) on every device,
-whose quantize calls this module's ``quantize_global``; the eager C++ entry
-has no reduction in it.
+Training calls only: an evaluation call (``training=False``) changes no
+state, reduces nothing and may run on one process alone. While a
+reduction group with more than one process is in effect, a training call
+of the FP8 linear takes its Python path (``torch_ops/linear.py``) on every
+device, whose quantize calls this module's ``quantize_global``; the eager
+C++ entry has no reduction in it.
 
 For ``DistributedDataParallel``: FP8 state is identical on every process by
 the rule above, so DDP's buffer broadcast (``broadcast_buffers=True``)

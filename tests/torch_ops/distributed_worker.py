@@ -9,7 +9,9 @@ saves its FP8 state, and process 0 saves the state of one process
 (``amax_reduction_group(None)``) stepping the same model on the
 concatenated batch, from the same weights (copied in before each step, so
 that what is compared is the FP8 state rule, not the order in which
-gradients were summed). `test_distributed.py` compares them.
+gradients were summed). After a DDP run, process 0 alone evaluates the
+model (an evaluation call reduces nothing). `test_distributed.py` compares
+them.
 """
 
 import datetime
@@ -139,6 +141,11 @@ def run(rank, name, engine, options):
         optimizer.step()
         record["states"].append(states(model))
         record["weights"].append(full_weights(model))
+    if engine == "ddp" and rank == 0:  # evaluation on one process alone: no collective to wait for
+        model.eval()
+        with torch.no_grad():
+            record["evaluated_alone"] = tuple(model(batch(0)[0][:ROWS]).shape)
+        model.train()
     record["counts"] = {k: getattr(COUNTS, k) for k in ("pre_all_gather", "bytes", "gathered_operands")}
     return record
 

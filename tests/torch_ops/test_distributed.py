@@ -47,6 +47,12 @@ def test_state_equal_on_every_process_and_to_one_process(runs, scenario):
 
 
 @needs_gloo
+def test_one_process_evaluates_alone(runs):
+    for scenario in ("ddp_broadcast", "ddp_no_broadcast", "ddp_current", "ddp_compiled"):
+        assert runs[0][scenario]["evaluated_alone"] == (worker.ROWS, worker.OUT)
+
+
+@needs_gloo
 def test_the_second_process_amax_is_recorded(runs):
     # The rows of process 1 are 10x larger: the recorded input amax is its.
     x, _ = worker.batch(0)
