@@ -229,8 +229,23 @@ def enable_fp8_all_gather(module: torch.nn.Module) -> list[str]:
             if isinstance(w, _dtensor_type()):
                 raise ValueError(f"{name or 'module'}: enable_fp8_all_gather must run before fully_shard")
             m.weight = torch.nn.Parameter(FP8AllGatherWeight(w.detach()), requires_grad=w.requires_grad)
+            m.register_state_dict_post_hook(_plain_weight_in_state_dict)
             names.append(f"{name}.weight" if name else "weight")
     return names
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata):
+    """``state_dict`` holds the weight's values as a plain tensor (or a
+    DTensor over one), not the subclass: checkpoints load anywhere,
+    ``torch.load(weights_only=True)`` included. Loading copies into the
+    subclass's values."""
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if isinstance(value, FP8AllGatherWeight):
+        state_dict[key] = value._tensor
+    elif isinstance(value, _dtensor_type()) and isinstance(value._local_tensor, FP8AllGatherWeight):
+        state_dict[key] = type(value).from_local(value._local_tensor._tensor, value.device_mesh, value.placements,
+                                                 run_check=False, shape=value.shape, stride=value.stride())
 
 
 def _dtensor_type():

@@ -32,8 +32,10 @@ def prepare_device(tensor):
 
 def mark_amax_channel(variable):
     """See `keras_fp8.backends`: marks the variable's torch Parameter for
-    `torch_ops.distributed.prepare_ddp`."""
-    torch_ops.distributed.mark_amax_channel(compat.raw_value(variable))
+    `torch_ops.distributed.prepare_ddp` (where it exists yet)."""
+    value = compat.raw_value(variable)
+    if isinstance(value, torch.Tensor):
+        torch_ops.distributed.mark_amax_channel(value)
 
 
 def default_min_gemm_size(x):

@@ -141,6 +141,9 @@ def run(rank, name, engine, options):
         optimizer.step()
         record["states"].append(states(model))
         record["weights"].append(full_weights(model))
+    if engine == "fsdp":  # the sharded checkpoint holds plain local tensors
+        record["plain_state_dict"] = all(type(getattr(v, "_local_tensor", v)) is torch.Tensor
+                                         for v in model.state_dict().values())
     if engine == "ddp" and rank == 0:  # evaluation on one process alone: no collective to wait for
         model.eval()
         with torch.no_grad():

@@ -6,6 +6,7 @@ processes and against one process stepping on the concatenated batch from
 the same weights: bit for bit (the exact reference runs on CPU).
 """
 
+import io
 import os
 import warnings
 
@@ -72,6 +73,13 @@ def test_fp8_all_gather_moves_one_byte_per_element(runs, scenario):
         assert counts["bytes"] == 2 * shard_bytes * worker.STEPS
         assert counts["gathered_operands"] == 2 * worker.STEPS  # the GEMMs took the gathered FP8 bytes
     assert runs[0]["fsdp"]["counts"]["pre_all_gather"] == 0
+
+
+@needs_gloo
+def test_sharded_state_dict_holds_plain_tensors(runs):
+    for run in runs:
+        for scenario in ("fsdp", "fsdp_fp8_all_gather", "fsdp_fp8_all_gather_current"):
+            assert run[scenario]["plain_state_dict"], scenario
 
 
 @needs_gloo
@@ -160,6 +168,16 @@ def test_fp8_all_gather_weight_without_fsdp_trains_as_before():
         assert same(getattr(wrapped, name), t), name
     with pytest.raises(TypeError, match="module"):
         fp8_fsdp.enable_fp8_all_gather(3)
+    # Checkpoints hold plain tensors and load into either kind of layer.
+    buffer = io.BytesIO()
+    torch.save(wrapped.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert type(saved["weight"]) is torch.Tensor and same(saved["weight"], plain.weight.detach())
+    fresh = torch_ops.FP8Linear(32, 24, history_len=4)
+    fp8_fsdp.enable_fp8_all_gather(fresh)
+    fresh.load_state_dict(saved)
+    assert isinstance(fresh.weight, fp8_fsdp.FP8AllGatherWeight) and same(fresh.weight._tensor, saved["weight"])
 
 
 def test_gathered_weight_used_elsewhere_is_dequantized_with_a_warning():
