@@ -326,7 +326,7 @@ def _entry_args(fp8_format, scaling, margin, amax_compute_algo, weight_layout):
     return args
 
 
-def _eager_entry(x, weight, training):
+def _eager_entry(x, weight, training=True):
     """The extension when the C++ entry may take this call (plain CUDA x and
     weight the kernels serve, outside torch.compile, not a training call
     with an amax reduction group in effect: the C++ entry has no
