@@ -11,7 +11,10 @@ keeps the same state, equal to one process's over the concatenated batch.
 No host synchronization, no host-side branch: CUDA-graph safe on NCCL.
 
 Training calls only: an evaluation call (``training=False``) changes no
-state, reduces nothing and may run on one process alone. While a
+state, reduces nothing and may run on one process alone. A training call's
+reduction is a collective: every process of the group must make the same
+calls, each FP8 or not alike (an empty input, or ``M*N*K`` below
+``min_gemm_size``, runs the compute-dtype linear and reduces nothing). While a
 reduction group with more than one process is in effect, a training call
 of the FP8 linear takes its Python path (``torch_ops/linear.py``) on every
 device, whose quantize calls this module's ``quantize_global``; the eager
