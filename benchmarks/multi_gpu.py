@@ -34,7 +34,9 @@ meant to run compiled).
 local devices, `model.fit`; modes `mixed_bfloat16` and `fp8_hybrid`
 (FP8Dense projections). DataParallel replicates the weights: no all-gather.
 
-Every result is one `RESULT {json}` line.
+Every result is one `RESULT {json}` line. On GPUs, `python -m torch_ops
+build` first builds the kernels once (process 0 otherwise builds them while
+the others wait).
 """
 
 import argparse
@@ -268,6 +270,15 @@ def torch_worker(rank, world, port, args):
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     counter = GatherCounter()
+    if args.device == "cuda" and any(m.startswith("fp8") for m in args.modes):
+        import torch_ops
+
+        # Process 0 builds the kernels (or finds them cached) before the others load them.
+        if rank == 0:
+            torch_ops.is_available(device)
+        dist.barrier()
+        if not torch_ops.is_available(device):
+            raise SystemExit(f"torch_ops kernels unavailable: {torch_ops.unavailable_reason(device)}")
     try:
         for mode in args.modes:
             if mode.startswith("torchao") and (args.device != "cuda" or not torchao_available()):
@@ -278,6 +289,8 @@ def torch_worker(rank, world, port, args):
             result = torch_mode(args, mode, rank, world, device, counter)
             if rank == 0:
                 report(result)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -352,8 +365,8 @@ def run_jax(args):
     import keras_fp8  # noqa: F401  (the FP8 policies)
 
     devices = keras.distribution.list_devices()
-    if args.device == "cpu" or args.nproc:
-        devices = devices[: args.nproc] if args.nproc else devices
+    if args.nproc:
+        devices = devices[: args.nproc]
     distribution = keras.distribution.DataParallel(devices=devices)
     world = len(devices)
     steps = args.warmup + args.steps

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 WORLD = 2
-STEPS = 4
+STEPS = 3
 ROWS = 8  # per process
 
 
@@ -37,7 +37,7 @@ def build(recipe):
     from keras_fp8.layers import FP8Dense
 
     keras.utils.set_random_seed(0)
-    recipe = keras_fp8.DelayedScaling(history_len=3) if recipe == "delayed" else keras_fp8.CurrentScaling()
+    recipe = keras_fp8.DelayedScaling(history_len=2) if recipe == "delayed" else keras_fp8.CurrentScaling()
     model = keras.Sequential([
         keras.Input((16,)),
         FP8Dense(33, activation="gelu", recipe=recipe, min_gemm_size=0, dtype="fp8_hybrid"),

@@ -29,7 +29,7 @@ from torch_ops import distributed as fp8_dist  # noqa: E402
 from torch_ops import fsdp as fp8_fsdp  # noqa: E402
 
 WORLD = 2
-STEPS = 4
+STEPS = 3
 ROWS = 8  # per process
 IN, HIDDEN, OUT = 16, 33, 8  # 33 rows: an uneven FSDP2 shard; K = 33: a padded GEMM layout
 # (name, engine, options)
@@ -47,7 +47,7 @@ SCENARIOS = (
 def make_model(scaling):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, OUT))
-    return torch_ops.convert_to_fp8(model, history_len=3, scaling=scaling, min_gemm_size=0)
+    return torch_ops.convert_to_fp8(model, history_len=2, scaling=scaling, min_gemm_size=0)
 
 
 def batch(step):
