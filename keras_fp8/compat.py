@@ -137,6 +137,46 @@ def distribution():
     return _distribution_lib.distribution()
 
 
+class _ReplicatingDistribution:
+    """The active distribution, but for the layout of new variables: replicated."""
+
+    def __init__(self, distribution):
+        self._distribution = distribution
+
+    def __getattr__(self, name):
+        return getattr(self._distribution, name)
+
+    def get_variable_layout(self, variable):
+        return keras.distribution.TensorLayout(
+            (None,) * len(variable.shape), self._distribution.device_mesh
+        )
+
+
+@contextlib.contextmanager
+def replicated_variables():
+    """Variables created inside get a replicated layout under the active
+    `keras.distribution` (nothing changes without one).
+
+    Why: `Layer.add_weight` takes no layout, and the backend variable asks
+    the distribution for one (`get_variable_layout`, a `LayoutMap` lookup by
+    path) while it is created. A `ModelParallel` `LayoutMap` key such as
+    `".*kernel.*"` also matches a layer's `kernel_scale` and
+    `kernel_amax_history`, which must be replicated (one scale for the whole
+    kernel): a 2-D kernel layout on a scalar fails inside JAX's sharding
+    code. So for the variables created in this scope the distribution is
+    swapped, on this thread, for one that answers "replicated".
+    """
+    distribution = _distribution_lib.distribution()
+    if distribution is None:
+        yield
+        return
+    _distribution_lib.set_distribution(_ReplicatingDistribution(distribution))
+    try:
+        yield
+    finally:
+        _distribution_lib.set_distribution(distribution)
+
+
 def keras_mask(x):
     """The Keras mask a tensor carries, or None."""
     return getattr(x, "_keras_mask", None)

@@ -7,16 +7,19 @@ the exact reference (``torch_ops.reference``), with identical numerics.
 docs/torch_ops.md is the guide.
 
 Public: the names in ``__all__``. ``torch_ops.reference`` (the numerics),
-``torch_ops.ops`` (the ``torch.library`` ops) and ``torch_ops.extension`` are
-importable modules; everything else, and every name starting with ``_``, is
-internal.
+``torch_ops.ops`` (the ``torch.library`` ops), ``torch_ops.extension``,
+``torch_ops.distributed`` (the amax reduction group, DDP) and
+``torch_ops.fsdp`` (FP8 all-gather for FSDP2) are importable modules;
+everything else, and every name starting with ``_``, is internal.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import distributed
 from . import extension as _extension
+from . import fsdp
 from . import ops as _ops
 from . import reference
 from .linear import FP8LinearState
@@ -37,10 +40,12 @@ __all__ = [
     "Settings",
     "build",
     "convert_to_fp8",
+    "distributed",
     "fold_pending_grad_amax",
     "fp8_gemm",
     "fp8_linear",
     "fp8_linear_folded",
+    "fsdp",
     "get_settings",
     "is_available",
     "quantize",

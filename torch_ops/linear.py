@@ -31,7 +31,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from . import distributed
 from . import extension
+from . import fsdp
 from . import ops
 from . import reference as ref
 from . import settings as settings_lib
@@ -183,9 +185,17 @@ def _compute_dtype_linear(x, weight, bias, weight_layout):
 
 
 # --------------------------------------------------------------------------- the compile path
-def _quantize(scaling, x, history, scale, dt, margin, algo, transpose, record, write_q):
+def _quantize(scaling, x, history, scale, dt, margin, algo, transpose, record, write_q, reduce=False):
     """(q, q_t, scale_used, amax) in the GEMM-ready layouts. Training calls
-    under current scaling store the scale they used in ``scale``."""
+    under current scaling store the scale they used in ``scale``. With
+    ``reduce`` (an input or output gradient of a training call: never a
+    weight, which is the same on every process, nor an evaluation call,
+    which may run on one process alone) and an amax reduction group in
+    effect, the amax is the group's max (``distributed.quantize_global``)."""
+    group = distributed.reduction_group() if reduce else None
+    if group is not None:
+        return distributed.quantize_global(scaling, x, history, scale, dt, margin, algo, transpose, record, write_q,
+                                           group)
     if scaling == "delayed":
         return ops.quantize_delayed(x, history, scale, dt, margin, algo, transpose, record, True, write_q)
     out = ops.quantize_current(x, scale, dt, margin, transpose, True, write_q)
@@ -218,7 +228,7 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        in_out, grad_dt, scaling, margin, algo, record_grad, autotune = ctx.config
+        in_out, grad_dt, scaling, margin, algo, record_grad, training, autotune = ctx.config
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         qxt, qw_bwd, sx, sw = ctx.saved_tensors
@@ -229,7 +239,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.recorded = True
         g2d = g.contiguous()
         qg, qgt, sg, ga = _quantize(scaling, g2d, grad_history, grad_scale, grad_dt, margin, algo, need_dw, record,
-                                    need_dx)
+                                    need_dx, reduce=training)
         dx = dw = db = dsink = None
         if need_dx:
             dx = ops.gemm(qg, qw_bwd, sg, sw, None, x_dtype, False, autotune)
@@ -262,23 +272,29 @@ def _python_fp8_linear(x, weight, bias, state, fp8_format, scaling, margin, algo
     grad_on = torch.is_grad_enabled()
     need_dx = grad_on and x.requires_grad
     need_dw = grad_on and weight.requires_grad
-    wd = weight.detach()
-    if not wd.is_contiguous():
-        wd = wd.contiguous()
     fwd_dt, grad_dt = ref.FP8_FORMATS[fp8_format]
     record = bool(training) and not _recomputing()
     s = state
     qx, qxt, sx, _ = _quantize(scaling, x2d.detach(), s.input_amax_history, s.input_scale, fwd_dt, margin, algo,
-                               need_dw, record, True)
-    # The forward wants the weight as (N, K), dX as (K, N); out_in stores (N, K).
-    qw, qwt, sw, _ = _quantize(scaling, wd, s.kernel_amax_history, s.kernel_scale, fwd_dt, margin, algo,
-                               in_out or need_dx, record, (not in_out) or need_dx)
-    qw_fwd, qw_bwd = (qwt, qw) if in_out else (qw, qwt)
+                               need_dw, record, True, reduce=bool(training))
+    # A weight FSDP2 gathered in FP8 comes quantized (its state recorded at the gather).
+    gathered = fsdp.fp8_operands(weight, in_out, need_dx)
+    if gathered is not None:
+        qw_fwd, qw_bwd, sw = gathered
+    else:
+        wd = weight.detach()
+        if not wd.is_contiguous():
+            wd = wd.contiguous()
+        # The forward wants the weight as (N, K), dX as (K, N); out_in stores (N, K).
+        qw, qwt, sw, _ = _quantize(scaling, wd, s.kernel_amax_history, s.kernel_scale, fwd_dt, margin, algo,
+                                   in_out or need_dx, record, (not in_out) or need_dx)
+        qw_fwd, qw_bwd = (qwt, qw) if in_out else (qw, qwt)
     autotune = settings_lib.get_settings().gemm_autotune
     needs_graph = grad_on and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
                                or sink is not None)
     if needs_graph:
-        config = (in_out, grad_dt, scaling, float(margin), algo, bool(training) and sink is None, autotune)
+        config = (in_out, grad_dt, scaling, float(margin), algo, bool(training) and sink is None, bool(training),
+                  autotune)
         out = _FP8LinearFunction.apply(x2d, weight, bias, sink, qx, qw_fwd, sx, sw, qxt, qw_bwd,
                                        s.grad_amax_history, s.grad_scale, config)
     else:
@@ -405,12 +421,14 @@ def _entry_args(fp8_format, scaling, margin, amax_compute_algo, weight_layout):
     return args
 
 
-def _eager_entry(x, weight):
+def _eager_entry(x, weight, training=True):
     """The extension when the C++ entry may take this call (plain CUDA x and
-    weight the kernels serve, outside torch.compile), else None."""
+    weight the kernels serve, outside torch.compile, not a training call
+    with an amax reduction group in effect: the C++ entry has no
+    collective), else None."""
     if (type(x) is not _T and type(x) is not _P) or (type(weight) is not _T and type(weight) is not _P):
         return None
-    if not x.is_cuda or torch.compiler.is_compiling():
+    if not x.is_cuda or torch.compiler.is_compiling() or (training and distributed.reduction_group() is not None):
         return None
     return extension.kernels_for(x)
 
@@ -479,7 +497,7 @@ def fp8_linear(
     torch.Size([8, 64])
     """
     settings_lib.check_min_gemm_size(min_gemm_size)
-    ext = _eager_entry(x, weight)
+    ext = _eager_entry(x, weight, training)
     kernels = ext is not None or (isinstance(x, torch.Tensor) and extension.kernels_for(x) is not None)
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 1 \
             and _runs_compute_dtype(x, weight, weight_layout, min_gemm_size, kernels):
@@ -620,7 +638,7 @@ def fp8_linear_folded(
         ``(..., N)`` in x's dtype.
     """
     settings_lib.check_min_gemm_size(min_gemm_size)
-    ext = _eager_entry(x, weight)
+    ext = _eager_entry(x, weight, training)
     kernels = ext is not None or (isinstance(x, torch.Tensor) and extension.kernels_for(x) is not None)
     if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 1 \
             and _runs_compute_dtype(x, weight, weight_layout, min_gemm_size, kernels):

@@ -49,6 +49,12 @@ def _layouts(x, q, dt, transpose, pad, write_q):
     return qo, qt
 
 
+def fp8_layouts(q, transpose, write_q):
+    """An FP8 tensor's GEMM-ready (padded) layouts, as the quantize ops lay
+    them out: ``(q, q_t)``, each empty where not asked for."""
+    return _layouts(q, q, q.dtype, transpose, True, write_q)
+
+
 def _fake_layouts(x, dt, transpose, pad, write_q):
     R, C = x.shape
     q = x.new_empty((R, _r16(C) if pad else C), dtype=dt) if write_q else x.new_empty((0,), dtype=dt)

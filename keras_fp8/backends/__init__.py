@@ -15,8 +15,10 @@ Each backend module provides:
         The `min_gemm_size` a layer without one of its own uses for `x`.
 
 and may provide `prepare_device(tensor)` (settle, in eager code, where FP8
-matmuls on `tensor`'s device run) and `fast_layer_call(layer, args, kwargs)`
-(a layer's `__call__` without Keras's generic machinery, or None).
+matmuls on `tensor`'s device run), `mark_amax_channel(variable)` (tell the
+backend's data-parallel tooling that this variable's gradient is an amax)
+and `fast_layer_call(layer, args, kwargs)` (a layer's `__call__` without
+Keras's generic machinery, or None).
 
 `jax` runs FP8 `dot_general` through XLA on FP8-capable GPUs and the exact
 emulation elsewhere; `torch` runs `torch_ops` (the compiled kernels on the
@@ -68,3 +70,15 @@ def prepare_device(tensor):
     prepare = getattr(get(), "prepare_device", None)
     if prepare is not None:
         prepare(tensor)
+
+
+def mark_amax_channel(variable):
+    """Lets the current backend know that `variable`'s gradient is an amax
+    (`grad_amax_pending`), not a gradient (torch: so that
+    `torch_ops.distributed.prepare_ddp` keeps DDP from averaging it). A
+    no-op elsewhere."""
+    if keras.backend.backend() not in _SUPPORTED:
+        return
+    mark = getattr(get(), "mark_amax_channel", None)
+    if mark is not None:
+        mark(variable)

@@ -30,6 +30,14 @@ def prepare_device(tensor):
     _kernels_for(tensor)
 
 
+def mark_amax_channel(variable):
+    """See `keras_fp8.backends`: marks the variable's torch Parameter for
+    `torch_ops.distributed.prepare_ddp` (where it exists yet)."""
+    value = compat.raw_value(variable)
+    if isinstance(value, torch.Tensor):
+        torch_ops.distributed.mark_amax_channel(value)
+
+
 def default_min_gemm_size(x):
     """See `keras_fp8.backends`: torch_ops's setting for `x`'s device."""
     return torch_ops.get_settings().resolved_min_gemm_size(_kernels_for(x) is not None)

@@ -107,7 +107,9 @@ class FP8StateMixin:
     def _build_fp8_state(self):
         """Creates the FP8 state variables (after the base layer's `build`,
         which has locked the layer's variable tracker)."""
-        with compat.unlocked_tracker(self):
+        # Replicated under any keras.distribution, whatever its LayoutMap
+        # says: one scale per tensor (docs/numerics.md, "Many devices").
+        with compat.unlocked_tracker(self), compat.replicated_variables():
             self._add_fp8_state_variables()
 
     def _add_fp8_state_variables(self):
@@ -134,6 +136,7 @@ class FP8StateMixin:
         pending.overwrite_with_gradient = True
         # Lets keras_fp8.optimizers.LossScaleOptimizer find it.
         pending._keras_fp8_pending_grad_amax = True
+        backends.mark_amax_channel(pending)
         state("grad_fold_state", (3,))
         # Where the FP8 matmuls of the state's device run is decided now, in
         # eager code, rather than in the first call (perhaps a traced one).
