@@ -181,7 +181,27 @@ def _runs_compute_dtype(x, weight, weight_layout, min_gemm_size, kernels) -> boo
 def _compute_dtype_linear(x, weight, bias, weight_layout):
     """What ``nn.Linear`` computes in x's dtype (the weight and bias cast to it)."""
     w = weight.t() if weight_layout == "in_out" else weight
-    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return F.linear(x, w, bias)
+
+
+def compute_dtype_call(x, weight, bias, min_gemm_size):
+    """For a module whose weight and bias are its own (checked at
+    construction): ``nn.Linear``'s result where this call runs the compute
+    dtype (a plain float tensor x of the weight's K, below
+    ``min_gemm_size``), else None. The host path of small layers, kept as
+    short as ``nn.Linear``'s."""
+    if type(x) is not torch.Tensor or x.dtype not in _FLOATS or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        return None
+    if x.device != weight.device:
+        return None
+    kernels = x.is_cuda and extension.kernels_for(x) is not None
+    if not _runs_compute_dtype(x, weight, "out_in", min_gemm_size, kernels):
+        return None
+    return _compute_dtype_linear(x, weight, bias, "out_in")
 
 
 # --------------------------------------------------------------------------- the compile path

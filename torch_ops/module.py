@@ -13,7 +13,7 @@ import torch
 from . import reference as ref
 from . import settings as settings_lib
 from .linear import STATE_NAMES as _STATE_NAMES
-from .linear import FP8LinearState, check_history_len, check_options, fp8_linear
+from .linear import FP8LinearState, check_history_len, check_options, compute_dtype_call, fp8_linear
 
 
 class FP8Linear(torch.nn.Linear):
@@ -115,6 +115,9 @@ class FP8Linear(torch.nn.Linear):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = compute_dtype_call(x, self.weight, self.bias, self.min_gemm_size)
+        if y is not None:
+            return y
         return fp8_linear(x, self.weight, self.bias, state=self._fp8_state(), fp8_format=self.fp8_format,
                           scaling=self.scaling, margin=self.margin, amax_compute_algo=self.amax_compute_algo,
                           training=self.training, min_gemm_size=self.min_gemm_size,
