@@ -51,7 +51,7 @@ def _column_scales(b_scales, n, b_tiles):
 # Triton launch settings of the kernel (warps per program, software pipeline
 # stages), measured on an H200 (docs/benchmarks.md).
 NUM_WARPS = 8
-NUM_STAGES = 4
+NUM_STAGES = 3
 
 
 def _block_kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, k_blocks, widen):

@@ -557,5 +557,8 @@ class GpuBlockLinearTest(parameterized.TestCase):
 
         got = run_linear(lambda x, w, b, state: torch.compile(fwd)(x, w, b), x, w, b, gy, st)
         want = run_linear(lambda x, w, b, state: fwd(x, w, b), x, w, b, gy, st)
-        for u, v in zip(got, want):
-            self.assertTrue(torch.equal(u, v))
+        # The custom ops' outputs bit for bit; the bias gradient is inductor's
+        # own reduction (its summation order).
+        for name, u, v in zip(("y", "dx", "dw"), got[:3], want[:3]):
+            self.assertTrue(torch.equal(u, v), name)
+        assert_close(got[3], want[3], 2**-7, msg="db")
