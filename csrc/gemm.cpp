@@ -343,6 +343,24 @@ void tune_plan(Plan& p, cublasLtHandle_t h, const void* A, const void* B, void* 
   p.algo = c[best];
 }
 
+// The bias in the dtype the epilogue takes (the output's; float32 for a
+// float32 output), after checking its shape.
+c10::optional<at::Tensor> checked_bias(const c10::optional<at::Tensor>& bias, long long N, at::ScalarType od) {
+  if (!bias.has_value() || !bias->defined()) return c10::nullopt;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias: expected shape (", std::to_string(N), ",), got ",
+              shape_str(*bias));
+  return bias->to(od == at::kFloat ? at::kFloat : od).contiguous();
+}
+
+// The (M, N) product when M, N or K is 0: the bias broadcast (or empty).
+at::Tensor empty_product(const at::Tensor& a, long long M, long long N, const c10::optional<at::Tensor>& bias,
+                         at::ScalarType od) {
+  if (M == 0 || N == 0) return at::empty({M, N}, a.options().dtype(od));
+  at::Tensor z = at::zeros({M, N}, a.options().dtype(at::kFloat));
+  if (bias) z = z + bias->to(at::kFloat);
+  return z.to(od);
+}
+
 at::Tensor fallback_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
                          const c10::optional<at::Tensor>& bias, at::ScalarType od) {
   // Correct for any shape/dtype, slow: float32 products of the fp8 values.
@@ -382,18 +400,8 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
   const DeviceScope device_scope(a_in);
 
   const long long M = a_in.size(0), N = b_in.size(0), K = a_in.size(1);
-  c10::optional<at::Tensor> bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N, "bias: expected shape (", std::to_string(N), ",), got ",
-                shape_str(*bias_in));
-    bias = bias_in->to(od == at::kFloat ? at::kFloat : od).contiguous();
-  }
-  if (M == 0 || N == 0) return at::empty({M, N}, a_in.options().dtype(od));
-  if (K == 0) {
-    at::Tensor z = at::zeros({M, N}, a_in.options().dtype(at::kFloat));
-    if (bias) z = z + bias->to(at::kFloat);
-    return z.to(od);
-  }
+  const c10::optional<at::Tensor> bias = checked_bias(bias_in, N, od);
+  if (M == 0 || N == 0 || K == 0) return empty_product(a_in, M, N, bias, od);
   const long long Kp = round16(K);
   at::Tensor a = prepare_operand(a_in, Kp);
   at::Tensor b = prepare_operand(b_in, Kp);
@@ -563,18 +571,8 @@ at::Tensor block_gemm(const at::Tensor& a_in, const at::Tensor& a_scales, const 
   at::Tensor sa = vec128_scales(a_scales, M, kt, "a_scales");
   at::Tensor sb = b_tiles ? vec128_scales(b_scales, N, kt, "b_scales")
                           : blk128_scales(b_scales, (N + 127) / 128, kt, "b_scales");
-  c10::optional<at::Tensor> bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N, "bias: expected shape (", std::to_string(N), ",), got ",
-                shape_str(*bias_in));
-    bias = bias_in->to(od == at::kFloat ? at::kFloat : od).contiguous();
-  }
-  if (M == 0 || N == 0) return at::empty({M, N}, a_in.options().dtype(od));
-  if (K == 0) {
-    at::Tensor z = at::zeros({M, N}, a_in.options().dtype(at::kFloat));
-    if (bias) z = z + bias->to(at::kFloat);
-    return z.to(od);
-  }
+  const c10::optional<at::Tensor> bias = checked_bias(bias_in, N, od);
+  if (M == 0 || N == 0 || K == 0) return empty_product(a_in, M, N, bias, od);
   // cuBLASLt's block-scaled kernels take K in whole 128-long tiles: a ragged
   // K is zero padded (zeros add nothing; the tile count is unchanged).
   const long long Kp = kt * 128;

@@ -281,14 +281,16 @@ def _recomputing() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
+def _as_2d(x, weight, weight_layout):
+    """(in_out, N, x as a contiguous (M, K) matrix)."""
+    in_out = weight_layout == "in_out"
+    x2d = x.reshape(-1, x.shape[-1])
+    return in_out, weight.shape[1] if in_out else weight.shape[0], x2d if x2d.is_contiguous() else x2d.contiguous()
+
+
 def _python_fp8_linear(x, weight, bias, state, fp8_format, scaling, margin, algo, weight_layout, training, sink):
     """The compile path's FP8 linear (the arguments checked, not small)."""
-    k = x.shape[-1]
-    in_out = weight_layout == "in_out"
-    n = weight.shape[1] if in_out else weight.shape[0]
-    x2d = x.reshape(-1, k)
-    if not x2d.is_contiguous():
-        x2d = x2d.contiguous()
+    in_out, n, x2d = _as_2d(x, weight, weight_layout)
     grad_on = torch.is_grad_enabled()
     need_dx = grad_on and x.requires_grad
     need_dw = grad_on and weight.requires_grad
@@ -380,12 +382,7 @@ class _BlockLinearFunction(torch.autograd.Function):
 
 def _block_fp8_linear(x, weight, bias, fp8_format, margin, power_of_two, weight_layout, sink):
     """The block-scaled FP8 linear (the arguments checked, not small)."""
-    k = x.shape[-1]
-    in_out = weight_layout == "in_out"
-    n = weight.shape[1] if in_out else weight.shape[0]
-    x2d = x.reshape(-1, k)
-    if not x2d.is_contiguous():
-        x2d = x2d.contiguous()
+    in_out, n, x2d = _as_2d(x, weight, weight_layout)
     wd = weight if weight.is_contiguous() else weight.contiguous()
     fwd_dt, grad_dt = ref.FP8_FORMATS[fp8_format]
     grad_on = torch.is_grad_enabled()

@@ -135,6 +135,25 @@ def _fp8_matmul_bwd(recipe, has_bias, residuals, grad):
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
+def _fold_grad_state(layer, recipe, training):
+    """A training call folds the last backward's pending gradient amax into
+    the gradient state (`numerics.fold_pending_grad_amax`).
+
+    Returns:
+        `(grad_history, grad_scale, emit_token)` for this call's backward.
+    """
+    if not training:
+        return layer.grad_amax_history.value, layer.grad_scale.value, ops.zeros((), "float32")
+    pending = ops.stop_gradient(compat.raw_value(layer.grad_amax_pending))
+    grad_history, grad_scale, fold_state, emit_token = numerics.fold_pending_grad_amax(
+        pending, layer.grad_fold_state.value, layer.grad_amax_history.value, layer.grad_scale.value,
+        recipe.backward_format, recipe)
+    layer.grad_amax_history.assign(grad_history)
+    layer.grad_scale.assign(grad_scale)
+    layer.grad_fold_state.assign(fold_state)
+    return grad_history, grad_scale, emit_token
+
+
 # --------------------------------------------------------------------------- block scaling
 def _block_matmul_impl():
     if fp8_gemm_supported():
@@ -186,16 +205,7 @@ _block_fp8_matmul.defvjp(_block_fp8_matmul_fwd, _block_fp8_matmul_bwd)
 def _block_matmul_call(layer, x, kernel, bias, recipe, training):
     """The block-scaled matmul: no input or kernel state; the gradient channel
     still carries the output gradient's amax (recorded by the fold)."""
-    if training:
-        pending = ops.stop_gradient(compat.raw_value(layer.grad_amax_pending))
-        grad_history, grad_scale, fold_state, emit_token = numerics.fold_pending_grad_amax(
-            pending, layer.grad_fold_state.value, layer.grad_amax_history.value, layer.grad_scale.value,
-            recipe.backward_format, recipe)
-        layer.grad_amax_history.assign(grad_history)
-        layer.grad_scale.assign(grad_scale)
-        layer.grad_fold_state.assign(fold_state)
-    else:
-        emit_token = ops.zeros((), "float32")
+    _, _, emit_token = _fold_grad_state(layer, recipe, training)
     has_bias = bias is not None
     bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
     return _block_fp8_matmul(x, kernel, bias_value, compat.raw_value(layer.grad_amax_pending),
@@ -222,18 +232,7 @@ def fp8_matmul(layer, x, kernel, bias, recipe, training):
         return _block_matmul_call(layer, x, kernel, bias, recipe, training)
     x_scale = _operand_scale(layer, "input", x, recipe.forward_format, recipe, training)
     kernel_scale = _operand_scale(layer, "kernel", kernel, recipe.forward_format, recipe, training)
-    if training:
-        pending = ops.stop_gradient(compat.raw_value(layer.grad_amax_pending))
-        grad_history, grad_scale, fold_state, emit_token = numerics.fold_pending_grad_amax(
-            pending, layer.grad_fold_state.value, layer.grad_amax_history.value, layer.grad_scale.value,
-            recipe.backward_format, recipe)
-        layer.grad_amax_history.assign(grad_history)
-        layer.grad_scale.assign(grad_scale)
-        layer.grad_fold_state.assign(fold_state)
-    else:
-        grad_history = layer.grad_amax_history.value
-        grad_scale = layer.grad_scale.value
-        emit_token = ops.zeros((), "float32")
+    grad_history, grad_scale, emit_token = _fold_grad_state(layer, recipe, training)
     has_bias = bias is not None
     bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
     return _fp8_matmul(
