@@ -48,6 +48,7 @@ import keras as _keras  # noqa: E402
 
 from keras_fp8 import autocast as _autocast_module  # noqa: E402
 from keras_fp8 import backends as _backends
+from keras_fp8 import callbacks
 from keras_fp8 import compat as _compat
 from keras_fp8 import layers
 from keras_fp8 import numerics
@@ -57,6 +58,7 @@ from keras_fp8 import recipes
 from keras_fp8.autocast import autocast
 from keras_fp8.backends import xla_flags as _xla_flags
 from keras_fp8.convert import convert
+from keras_fp8.inspection import summary
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from keras_fp8.policy import FP8DTypePolicy
@@ -83,9 +85,11 @@ __all__ = [
     "FP8EinsumDense",
     "POLICY_NAMES",
     "autocast",
+    "callbacks",
     "convert",
     "layers",
     "numerics",
     "optimizers",
     "recipes",
+    "summary",
 ]
