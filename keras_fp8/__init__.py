@@ -42,7 +42,23 @@ def _default_backend_if_unusable():
             return
 
 
+def _check_backend_installed():
+    """A clear error when `KERAS_BACKEND` names a supported backend whose
+    package is not installed (Keras's own is a ModuleNotFoundError from
+    deep inside its import)."""
+    if "keras" in _sys.modules:
+        return
+    backend = _os.environ.get("KERAS_BACKEND")
+    if backend in ("torch", "jax") and not _importlib_util.find_spec(backend):
+        raise ModuleNotFoundError(
+            f"KERAS_BACKEND={backend}, but the {backend} package is not installed. "
+            f'Install it with: pip install "keras-fp8[{backend}]"',
+            name=backend,
+        )
+
+
 _default_backend_if_unusable()
+_check_backend_installed()
 
 import keras as _keras  # noqa: E402
 
