@@ -16,6 +16,7 @@ from keras_fp8 import recipes
 from keras_fp8.layers.fp8_state import ROLES
 
 STATS = ("amax", "scale", "saturation", "underflow", "sqnr_db")
+LOG_MODES = ("all", "summary", None)
 _PER_TENSOR = (recipes.DelayedScaling, recipes.CurrentScaling)
 
 
@@ -45,7 +46,8 @@ class FP8Monitor(keras.callbacks.Callback):
 
     The values go into `logs` as `fp8/<layer>/<role>/<stat>` (the batch logs
     of each monitored step, and the latest values into each epoch's logs),
-    so `History`, `CSVLogger` and `TensorBoard` record them; `records` keeps
+    so `History`, `CSVLogger` and `TensorBoard` record them (a progress bar
+    shows them too: `logs="summary"` keeps it to three); `records` keeps
     every value in memory, `series()` returns one curve, `plot()` draws them
     and `health_summary()` says it in one line. When a role's saturation or
     underflow passes its threshold, a warning names the layer, once per layer
@@ -55,7 +57,7 @@ class FP8Monitor(keras.callbacks.Callback):
     without the monitor the layers hold nothing of it (one global read per
     eager FP8 call; none in compiled steps). A monitored step costs a
     forward and backward pass on the probe batch, run eagerly
-    (docs/guide.md, "Watching FP8").
+    (docs/monitor.md).
 
     Args:
         every_n_steps: Monitor every this many training steps (>= 1).
@@ -67,7 +69,10 @@ class FP8Monitor(keras.callbacks.Callback):
             role get a warning.
         underflow_threshold: The underflowing fraction past which a layer
             and role get a warning.
-        log_to_logs: Whether to add the values to `logs`.
+        logs: What goes into `logs`: `"all"` (every value, as above),
+            `"summary"` (three values: `fp8/saturation_max`,
+            `fp8/underflow_max`, `fp8/sqnr_db_min` over every layer and
+            role; readable in a progress bar) or None.
         layers: Optional names of the FP8 layers to watch (default: all).
 
     Example:
@@ -85,7 +90,7 @@ class FP8Monitor(keras.callbacks.Callback):
         probe=None,
         saturation_threshold=1e-2,
         underflow_threshold=1e-2,
-        log_to_logs=True,
+        logs="all",
         layers=None,
     ):
         super().__init__()
@@ -104,7 +109,10 @@ class FP8Monitor(keras.callbacks.Callback):
         self.every_n_steps = every_n_steps
         self.saturation_threshold = float(saturation_threshold)
         self.underflow_threshold = float(underflow_threshold)
-        self.log_to_logs = bool(log_to_logs)
+        if logs not in LOG_MODES:
+            raise ValueError(
+                f"Invalid `logs`. Expected one of {list(LOG_MODES)}. Received: logs={logs!r}")
+        self.logs = logs
         self._layer_filter = None if layers is None else list(layers)
         self._probe_batch = self._unpack_probe(probe)
         self._probe_tensors = None
@@ -145,12 +153,24 @@ class FP8Monitor(keras.callbacks.Callback):
         if (self.step - 1) % self.every_n_steps:
             return
         values = self.measure(self.model)
-        if self.log_to_logs and logs is not None:
-            logs.update(values)
+        if logs is not None:
+            logs.update(self._for_logs(values))
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.log_to_logs and logs is not None:
-            logs.update(self.latest)
+        if logs is not None:
+            logs.update(self._for_logs(self.latest))
+
+    def _for_logs(self, values):
+        if self.logs == "all":
+            return values
+        if self.logs is None or not values:
+            return {}
+        summary = {}
+        for stat, pick in (("saturation", max), ("underflow", max), ("sqnr_db", min)):
+            found = [v for k, v in values.items() if k.endswith("/" + stat) and not math.isnan(v)]
+            if found:
+                summary[f"fp8/{stat}_{pick.__name__}"] = pick(found)
+        return summary
 
     # ------------------------------------------------------------------ measuring
     def _watched(self, model):
@@ -305,6 +325,8 @@ class FP8Monitor(keras.callbacks.Callback):
                 "FP8Monitor.plot needs matplotlib: pip install \"keras-fp8[plot]\" (or matplotlib)."
             ) from error
         layers = self.layer_names if layers is None else list(layers)
+        if not layers:
+            raise ValueError("FP8Monitor.plot: no layer to draw (nothing measured yet, or `layers` is empty).")
         labels = {"amax": "amax", "scale": "scale", "saturation": "saturated (%)",
                   "underflow": "underflow (%)", "sqnr_db": "SQNR (dB)"}
         fig, axes = plt.subplots(len(stats), len(roles), figsize=(4.2 * len(roles), 2.3 * len(stats)),
@@ -327,8 +349,13 @@ class FP8Monitor(keras.callbacks.Callback):
                     ax.set_xlabel("step")
                 ax.grid(True, alpha=0.3)
         handles, names = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, names, loc="upper center", ncol=min(len(names), 6), frameon=False)
-        fig.tight_layout(rect=(0, 0, 1, 0.95))
+        # As many legend columns as the figure's width holds, the rows above the panels.
+        width_chars = 14 * len(roles)
+        columns = max(1, min(len(names), width_chars // (max(len(n) for n in names) + 6)))
+        rows = -(-len(names) // columns)
+        fig.legend(handles, names, loc="upper center", ncol=columns, frameon=False)
+        height = fig.get_figheight()
+        fig.tight_layout(rect=(0, 0, 1, 1 - (0.28 * rows + 0.15) / height))
         if path is not None:
             fig.savefig(path, dpi=110)
         return fig

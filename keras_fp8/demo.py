@@ -242,7 +242,7 @@ def main(argv):
     (x_train, y_train), _ = data
     batch = _BATCH_SIZE.value
     monitor = keras_fp8.callbacks.FP8Monitor(
-        every_n_steps=_MONITOR_EVERY.value, probe=(x_train[:batch], y_train[:batch]), log_to_logs=False)
+        every_n_steps=_MONITOR_EVERY.value, probe=(x_train[:batch], y_train[:batch]), logs=None)
     results = []
     for run_policy in (policy, "mixed_bfloat16"):
         name = run_policy if isinstance(run_policy, str) else run_policy.name

@@ -128,7 +128,7 @@ def test_probe_changes_no_variable_and_captures_the_output_gradient():
 def test_monitor_without_probe_reports_state_and_kernel():
     x, y = _data()
     model = _model()
-    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=1, log_to_logs=False)
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=1, logs=None)
     history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
     assert not any(k.startswith("fp8/") for k in history.history)
     last = {(r["layer"], r["role"]): r for r in monitor.records if r["step"] == 3}
