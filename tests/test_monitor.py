@@ -139,6 +139,19 @@ def test_monitor_without_probe_reports_state_and_kernel():
 
 
 @torch_only
+def test_monitor_summary_logs():
+    x, y = _data()
+    model = _model()
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=(x[:32], y[:32]), logs="summary")
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    keys = sorted(k for k in history.history if k.startswith("fp8/"))
+    assert keys == ["fp8/saturation_max", "fp8/sqnr_db_min", "fp8/underflow_max"]
+    assert history.history["fp8/sqnr_db_min"][0] == min(r["sqnr_db"] for r in monitor.records if r["step"] == 3)
+    with pytest.raises(ValueError, match="logs"):
+        keras_fp8.callbacks.FP8Monitor(logs="some")
+
+
+@torch_only
 def test_monitor_warns_once_naming_the_layer():
     x, y = _data()
     model = _model()
