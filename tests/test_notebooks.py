@@ -68,7 +68,7 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     pythonpath = [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(pythonpath))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
     assert _images(nb) >= 1
