@@ -42,12 +42,29 @@ def _default_backend_if_unusable():
             return
 
 
+def _check_backend_installed():
+    """A clear error when `KERAS_BACKEND` names a supported backend whose
+    package is not installed (Keras's own is a ModuleNotFoundError from
+    deep inside its import)."""
+    if "keras" in _sys.modules:
+        return
+    backend = _os.environ.get("KERAS_BACKEND")
+    if backend in ("torch", "jax") and not _importlib_util.find_spec(backend):
+        raise ModuleNotFoundError(
+            f"KERAS_BACKEND={backend}, but the {backend} package is not installed. "
+            f'Install it with: pip install "keras-fp8[{backend}]"',
+            name=backend,
+        )
+
+
 _default_backend_if_unusable()
+_check_backend_installed()
 
 import keras as _keras  # noqa: E402
 
 from keras_fp8 import autocast as _autocast_module  # noqa: E402
 from keras_fp8 import backends as _backends
+from keras_fp8 import callbacks
 from keras_fp8 import compat as _compat
 from keras_fp8 import layers
 from keras_fp8 import numerics
@@ -57,6 +74,7 @@ from keras_fp8 import recipes
 from keras_fp8.autocast import autocast
 from keras_fp8.backends import xla_flags as _xla_flags
 from keras_fp8.convert import convert
+from keras_fp8.inspection import summary
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from keras_fp8.policy import FP8DTypePolicy
@@ -83,9 +101,11 @@ __all__ = [
     "FP8EinsumDense",
     "POLICY_NAMES",
     "autocast",
+    "callbacks",
     "convert",
     "layers",
     "numerics",
     "optimizers",
     "recipes",
+    "summary",
 ]

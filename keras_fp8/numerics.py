@@ -250,6 +250,63 @@ def fold_pending_grad_amax(pending, fold_state, history, scale, fmt, recipe):
     return new_history, new_scale, new_fold_state, new_folds + 1.0
 
 
+# --------------------------------------------------------------------------- statistics
+def quantization_stats(x, scale, fmt):
+    """What quantizing `x` with `scale` does to it, by `quantize` itself.
+
+    The statistics `keras_fp8.callbacks.FP8Monitor` reports. Non-finite
+    elements of `x` are left out of every fraction and of the SQNR (they
+    quantize to NaN whatever the scale).
+
+    Args:
+        x: A floating-point tensor.
+        scale: float32 scalar, the dequantization step it is quantized with.
+        fmt: `"e4m3"` or `"e5m2"`.
+
+    Returns:
+        A dict of float32 scalar tensors:
+        `amax` (`compute_amax(x)`), `scale`, `saturation` (the fraction of
+        the finite elements that the clip changes: `|x| * (1 / scale)` past
+        the format's largest value), `underflow` (the fraction of the
+        finite elements that are nonzero and quantize to zero) and `sqnr_db`
+        (the signal-to-quantization-noise ratio `10 * log10(sum(x**2) /
+        sum((x - dequantize(q))**2))`, in dB; inf when quantizing is exact).
+
+    Example:
+
+    >>> stats = quantization_stats(np.array([1.0, 500.0, 1e-9]), 1.0, "e4m3")
+    >>> [float(stats[k]) for k in ("saturation", "underflow")]
+    [0.3333333432674408, 0.3333333432674408]
+    """
+    x = ops.cast(x, "float32")
+    scale = ops.cast(scale, "float32")
+    q = quantize(x, scale, fmt)
+    error = ops.subtract(x, dequantize(q, scale))
+    finite = ops.isfinite(x)
+    count = ops.maximum(ops.sum(ops.cast(finite, "float32")), 1.0)
+
+    def fraction(mask):
+        return ops.divide(ops.sum(ops.cast(ops.logical_and(finite, mask), "float32")), count)
+
+    clipped = ops.greater(ops.abs(ops.multiply(x, reciprocal(scale))), recipes.FORMAT_MAX[fmt])
+    flushed = ops.logical_and(ops.not_equal(x, 0.0), ops.equal(ops.cast(q, "float32"), 0.0))
+    # Powers relative to the amax, so that tiny tensors (gradients) do not
+    # underflow float32 when squared; the ratio is the same.
+    amax = compute_amax(ops.where(finite, x, ops.zeros_like(x)))
+    unit = ops.where(is_usable_amax(amax), reciprocal(amax), ops.ones_like(amax))
+    zero = ops.zeros_like(x)
+    signal = ops.sum(ops.square(ops.where(finite, ops.multiply(x, unit), zero)))
+    noise = ops.sum(ops.square(ops.where(finite, ops.multiply(error, unit), zero)))
+    sqnr_db = ops.multiply(10.0, ops.log10(ops.divide(signal, noise)))
+    return {
+        "amax": compute_amax(x),
+        "scale": scale,
+        "saturation": fraction(clipped),
+        "underflow": fraction(flushed),
+        "sqnr_db": sqnr_db,
+    }
+
+
 # --------------------------------------------------------------------------- the exact FP8 matmul
 def scaled_matmul(a_q, b_q, scale, out_dtype, bias=None):
     """Returns `(a_q @ b_q) * scale (+ bias)` in `out_dtype`, accumulated in

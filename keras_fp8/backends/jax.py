@@ -240,3 +240,36 @@ def fp8_matmul(layer, x, kernel, bias, recipe, training):
         ops.stop_gradient(grad_scale), ops.stop_gradient(grad_history), ops.stop_gradient(emit_token), recipe,
         has_bias,
     )
+
+
+def probe_function(loss_fn):
+    """The probe's autodiff (`keras_fp8.probe`): returns `run(values,
+    batch)`, compiled (`jax.jit`, once per batch shape), which returns
+    `(loss, aux, {key: d loss / d y})` for every `y` that `loss_fn(tap,
+    values, batch)` passes through `tap(key, y)`. A first trace
+    (`jax.eval_shape`) finds the tapped tensors; then `jax.value_and_grad`
+    differentiates with respect to a zero added to each (`y + 0` is `y`)."""
+
+    def run(values, batch):
+        shapes = {}
+
+        def shape_tap(key, y):
+            shapes[key] = (y.shape, y.dtype)
+            return y
+
+        jax.eval_shape(lambda v, b: loss_fn(shape_tap, v, b), values, batch)
+        offsets = {key: jnp.zeros(shape, dtype) for key, (shape, dtype) in shapes.items()}
+
+        def offset_loss(offsets, values, batch):
+            return loss_fn(lambda key, y: y + offsets[key], values, batch)
+
+        (loss, aux), grads = jax.value_and_grad(offset_loss, has_aux=True)(offsets, values, batch)
+        return loss, aux, grads
+
+    return jax.jit(run)
+
+
+def compile_function(fn):
+    """How the monitor runs its statistics (`keras_fp8.callbacks`): one
+    compiled program (eager JAX would compile every op of it separately)."""
+    return jax.jit(fn)

@@ -154,3 +154,34 @@ def _autocast_dtype(layer):
     """The dtype of the autocast scope `Layer.__call__` enters (or None)."""
     compute_dtype = layer.compute_dtype
     return compute_dtype if compute_dtype != layer.variable_dtype else None
+
+
+def probe_function(loss_fn):
+    """The probe's autodiff (`keras_fp8.probe`): returns `run(values,
+    batch)`, which calls `loss_fn(tap, None, batch)` (the variables read
+    directly) and returns `(loss, aux, {key: d loss / d y})` for every `y`
+    that `loss_fn` passed through `tap(key, y)` (None where `y` does not
+    reach the loss). `torch.autograd.grad`: no `.grad` is written."""
+
+    def run(values, batch):
+        taps = {}
+
+        def tap(key, y):
+            taps[key] = y
+            return y
+
+        with torch.enable_grad():
+            loss, aux = loss_fn(tap, None, batch)
+            keys = [key for key, y in taps.items() if y.requires_grad]
+            grads = {key: None for key in taps}
+            if keys and loss.requires_grad:
+                found = torch.autograd.grad(loss, [taps[key] for key in keys], allow_unused=True)
+                grads.update(zip(keys, found))
+        return loss.detach(), aux, grads
+
+    return run
+
+
+def compile_function(fn):
+    """How the monitor runs its statistics (`keras_fp8.callbacks`): eagerly."""
+    return fn

@@ -33,6 +33,7 @@ from keras.saving import serialize_keras_object
 from keras_fp8 import backends
 from keras_fp8 import compat
 from keras_fp8 import policy as policy_lib
+from keras_fp8 import probe
 from keras_fp8 import recipes
 from keras_fp8.autocast import current as current_autocast
 
@@ -70,7 +71,8 @@ class FP8StateMixin:
 
     def __call__(self, *args, **kwargs):
         fast = getattr(backends.get(), "fast_layer_call", None)
-        if fast is not None:
+        # A probe (keras_fp8.probe) captures in `_fp8_matmul`: no fast call.
+        if fast is not None and probe.active() is None:
             outputs = fast(self, args, kwargs)
             if outputs is not None:
                 return outputs
@@ -176,6 +178,8 @@ class FP8StateMixin:
         matmul, or `M*N*K` below `min_gemm_size` (the layer's, its policy's,
         else the backend's default for where `inputs` lives)."""
         dims = self._gemm_dims(tuple(inputs.shape))
+        # The last call's GEMM, for keras_fp8.summary.
+        self._last_gemm_dims = dims
         if dims is None or any(d is None for d in dims):
             return False
         size = math.prod(dims)
@@ -204,7 +208,9 @@ class FP8StateMixin:
         Returns:
             `(M, N)` tensor in `x`'s dtype.
         """
-        return backends.get().fp8_matmul(self, x, kernel, bias, recipe, bool(training))
+        y = backends.get().fp8_matmul(self, x, kernel, bias, recipe, bool(training))
+        capture = probe.active()
+        return y if capture is None else capture.record(self, x, y)
 
     def _fp8_call_recipe(self, inputs):
         """The recipe of this call (None: run as the base layer), after

@@ -1,0 +1,112 @@
+"""Looking at a model's FP8 layers: `fp8_layers`, `summary`."""
+
+import math
+
+from keras import ops
+
+from keras_fp8 import backends
+from keras_fp8 import compat
+from keras_fp8 import recipes
+from keras_fp8.layers.fp8_state import ROLES
+from keras_fp8.layers.fp8_state import FP8StateMixin
+
+
+def fp8_layers(model):
+    """The FP8 layers (`FP8Dense`, `FP8EinsumDense`) in `model`, nested
+    ones included, in Keras's layer order; `model` itself if it is one."""
+    return [layer for layer in compat.sublayers(model) if isinstance(layer, FP8StateMixin)]
+
+
+def layer_names(layers):
+    """A unique display name per layer: its name, or its path where two
+    layers share a name (nested models)."""
+    names = [layer.name for layer in layers]
+    return [
+        layer.name if names.count(layer.name) == 1 else layer.path
+        for layer in layers
+    ]
+
+
+def describe_recipe(recipe):
+    """A short description of a recipe, e.g. `delayed hybrid h=1024`."""
+    if recipe is None:
+        return "off"
+    parts = [recipe.name, recipe.fp8_format]
+    if isinstance(recipe, recipes.DelayedScaling):
+        parts.append(f"h={recipe.history_len}")
+        if recipe.amax_compute_algo != "max":
+            parts.append(recipe.amax_compute_algo)
+    if recipe.margin:
+        parts.append(f"margin={recipe.margin:g}")
+    return " ".join(parts)
+
+
+def execution(layer):
+    """What the layer's last call ran, as `(runs, gemm, min_gemm_size)`.
+
+    `runs` is `"FP8"`, the compute dtype with the reason (`min_gemm_size`,
+    or FP8 off under the layer's policy), or `"not called"`; `gemm` the last
+    call's `(M, K, N)` (None before a call).
+    """
+    recipe = layer._fp8_recipe()
+    dims = getattr(layer, "_last_gemm_dims", None)
+    limit = layer._min_gemm_size()
+    if limit is None and layer.built:
+        limit = backends.get().default_min_gemm_size(compat.raw_value(layer._kernel))
+    if recipe is None:
+        return f"{layer.compute_dtype} (FP8 off)", dims, limit
+    if dims is None or any(d is None for d in dims):
+        return "not called", dims, limit
+    size = math.prod(dims)
+    if size == 0:
+        return f"{layer.compute_dtype} (empty)", dims, limit
+    if limit is not None and size < limit:
+        return f"{layer.compute_dtype} (< min_gemm_size)", dims, limit
+    return "FP8", dims, limit
+
+
+def _format_table(header, rows):
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = "  ".join(f"{h:<{w}}" for h, w in zip(header, widths))
+    rule = "-" * len(line)
+    body = ["  ".join(f"{str(c):<{w}}" for c, w in zip(row, widths)) for row in rows]
+    return "\n".join([rule, line, rule] + body + [rule])
+
+
+def summary(model, print_fn=None):
+    """Prints one table of every FP8 layer of `model`.
+
+    Per layer: its recipe (the one its next call uses), its kernel shape, the
+    `M x K x N` GEMM of its last call, whether that call ran FP8 or the
+    compute dtype (below `min_gemm_size`, or FP8 off under the layer's
+    policy), the `min_gemm_size` in force, and its current scales.
+
+    Args:
+        model: A Keras model or layer.
+        print_fn: Called with the table (a string); `print` by default.
+
+    Example:
+
+    >>> model.fit(x, y, epochs=1)
+    >>> keras_fp8.summary(model)
+    """
+    layers = fp8_layers(model)
+    header = ["layer", "type", "recipe", "kernel", "last GEMM (MxKxN)", "runs", "min_gemm_size"]
+    header += [f"{role}_scale" for role in ROLES]
+    rows = []
+    for name, layer in zip(layer_names(layers), layers):
+        runs, dims, limit = execution(layer)
+        recipe = layer._fp8_recipe()
+        kernel = "x".join(str(d) for d in layer._kernel.shape) if layer.built else "-"
+        gemm = "-" if dims is None else "x".join("?" if d is None else str(d) for d in dims)
+        scales = (
+            [f"{float(ops.convert_to_numpy(getattr(layer, f'{role}_scale'))):.3e}" for role in ROLES]
+            if layer.built else ["-"] * len(ROLES)
+        )
+        rows.append([name, type(layer).__name__, describe_recipe(recipe), kernel, gemm, runs,
+                     "-" if limit is None else f"{limit:,}"] + scales)
+    if not rows:
+        text = f"{model.name}: no FP8 layers."
+    else:
+        text = f"FP8 layers of {model.name!r}\n" + _format_table(header, rows)
+    (print_fn or print)(text)

@@ -1,0 +1,222 @@
+"""FP8Monitor, the probe, numerics.quantization_stats and keras_fp8.summary."""
+
+import csv
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_fp8
+from keras_fp8 import numerics
+from keras_fp8 import probe
+from tests import reference
+from tests.backend_utils import to_numpy
+
+# The monitor's logic is the same on every backend; what differs (the
+# probe's autodiff, the compiled statistics: `probe_function`,
+# `compile_function` in keras_fp8/backends/) runs under JAX in the tests not
+# marked with this (each JAX test compiles a probe and a training step).
+torch_only = pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="backend-agnostic monitor logic, tested once (under torch)")
+
+
+def _stats_numpy(x, scale, fmt):
+    """Independent NumPy statistics (tests/reference.py's quantize)."""
+    x = np.asarray(x, np.float32)
+    finite = np.isfinite(x)
+    q = reference.quantize(x, scale, fmt)
+    deq = reference.dequantize(q, scale)
+    fmt_max = reference.FMT[fmt][1]
+    n = max(finite.sum(), 1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        saturation = (finite & (np.abs(x) * (np.float32(1) / np.float32(scale)) > fmt_max)).sum() / n
+    underflow = (finite & (x != 0) & (q.astype(np.float32) == 0)).sum() / n
+    xs, err = x[finite].astype(np.float64), (x - deq)[finite].astype(np.float64)
+    return saturation, underflow, 10 * np.log10((xs**2).sum() / (err**2).sum())
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantization_stats_matches_numpy(fmt):
+    rng = np.random.default_rng(0)
+    low = -12 if fmt == "e4m3" else -30
+    x = (rng.standard_normal(4096) * np.exp(rng.uniform(low, 3, 4096))).astype(np.float32)
+    x[:3] = [0.0, np.nan, np.inf]
+    scale = np.float32(np.nanmax(np.abs(x[np.isfinite(x)])) / reference.FMT[fmt][1] / 8)  # saturates
+    stats = {k: float(to_numpy(v)) for k, v in numerics.quantization_stats(x, scale, fmt).items()}
+    saturation, underflow, sqnr = _stats_numpy(x, scale, fmt)
+    assert stats["saturation"] == pytest.approx(saturation, abs=1e-7) and saturation > 0
+    assert stats["underflow"] == pytest.approx(underflow, abs=1e-7) and underflow > 0
+    assert stats["sqnr_db"] == pytest.approx(sqnr, abs=1e-3)
+    assert stats["scale"] == pytest.approx(float(scale))
+    assert not math.isfinite(stats["amax"])  # the NaN and inf elements
+
+
+def test_quantization_stats_exact_tensor():
+    stats = numerics.quantization_stats(np.array([0.5, -2.0, 0.0], np.float32), 1.0, "e4m3")
+    assert float(to_numpy(stats["sqnr_db"])) == math.inf
+    assert float(to_numpy(stats["saturation"])) == 0 and float(to_numpy(stats["underflow"])) == 0
+
+
+def _data(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 16)).astype("float32"), rng.integers(0, 4, n).astype("int32")
+
+
+def _model(policy="fp8_hybrid", min_gemm_size=0):
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    h = keras_fp8.layers.FP8Dense(32, activation="relu", name="up", min_gemm_size=min_gemm_size)(inputs)
+    h = keras.ops.expand_dims(h, 1)
+    h = keras_fp8.layers.FP8EinsumDense("abc,cd->abd", (1, 32), name="mix", min_gemm_size=min_gemm_size)(h)
+    h = keras.ops.squeeze(h, 1)
+    outputs = keras_fp8.layers.FP8Dense(4, name="head", min_gemm_size=min_gemm_size)(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_monitor_records_logs_and_csv(tmp_path):
+    x, y = _data()
+    model = _model()
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=(x[:32], y[:32]))
+    csv_path = str(tmp_path / "log.csv")
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0,
+                        callbacks=[monitor, keras.callbacks.CSVLogger(csv_path)])
+    # 6 steps, monitored at 1, 3, 5: 3 layers x 3 roles each.
+    assert sorted({r["step"] for r in monitor.records}) == [1, 3, 5]
+    assert len(monitor.records) == 3 * 3 * 3
+    assert monitor.layer_names == ["up", "mix", "head"]
+    key = "fp8/head/grad/sqnr_db"
+    assert len(history.history[key]) == 2 and np.isfinite(history.history[key]).all()
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and float(rows[-1]["fp8/mix/input/saturation"]) >= 0
+    for r in monitor.records:
+        assert all(np.isfinite(r[k]) for k in ("amax", "scale", "saturation", "underflow")), r
+        assert r["sqnr_db"] > 15, r
+    steps, values = monitor.series("up", "kernel", "amax")
+    assert steps.tolist() == [1, 3, 5] and (values > 0).all()
+    assert "FP8 health at step 5 (3 layers)" in monitor.health_summary()
+
+
+def test_probe_changes_no_variable_and_captures_the_output_gradient():
+    x, y = _data()
+    model = _model()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    before = [to_numpy(v).copy() for v in model.variables]
+    loss, calls = probe.run(model, x[:32], y[:32])
+    assert [layer.name for layer, _, _ in calls] == ["up", "mix", "head"]
+    assert all(np.array_equal(a, to_numpy(v)) for a, v in zip(before, model.variables))
+    assert probe.active() is None
+    # The head's output gradient of a mean cross-entropy: (softmax - onehot) / B.
+    logits = to_numpy(model(x[:32], training=False))
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    expected = (p - np.eye(4)[y[:32]]) / 32
+    _, head_x, head_g = calls[-1]
+    np.testing.assert_allclose(to_numpy(head_g), expected, atol=2e-3)
+    assert to_numpy(head_x).shape == (32, 32)
+    assert float(to_numpy(loss)) > 0
+
+
+@torch_only
+def test_monitor_without_probe_reports_state_and_kernel():
+    x, y = _data()
+    model = _model()
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=1, logs=None)
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    assert not any(k.startswith("fp8/") for k in history.history)
+    last = {(r["layer"], r["role"]): r for r in monitor.records if r["step"] == 3}
+    assert np.isfinite(last[("up", "kernel")]["sqnr_db"])
+    assert math.isnan(last[("up", "input")]["saturation"]) and last[("up", "input")]["amax"] > 0
+    assert last[("head", "grad")]["amax"] > 0
+    assert "amax and scales only" not in monitor.health_summary()  # kernel stats exist
+
+
+@torch_only
+def test_monitor_summary_logs():
+    x, y = _data()
+    model = _model()
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=(x[:32], y[:32]), logs="summary")
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    keys = sorted(k for k in history.history if k.startswith("fp8/"))
+    assert keys == ["fp8/saturation_max", "fp8/sqnr_db_min", "fp8/underflow_max"]
+    assert history.history["fp8/sqnr_db_min"][0] == min(r["sqnr_db"] for r in monitor.records if r["step"] == 3)
+    with pytest.raises(ValueError, match="logs"):
+        keras_fp8.callbacks.FP8Monitor(logs="some")
+
+
+@torch_only
+def test_monitor_warns_once_naming_the_layer():
+    x, y = _data()
+    model = _model()
+    # Trained on unit-scale data, probed with inputs 1000x larger: the input
+    # scales (delayed scaling) saturate most of the probe.
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=1, probe=(1000 * x[:32], y[:32]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    messages = [str(w.message) for w in caught if "FP8Monitor" in str(w.message)]
+    assert any("layer 'up' (input)" in m and "saturate" in m for m in messages), messages
+    assert sum("layer 'up' (input)" in m and "saturate" in m for m in messages) == 1
+    assert monitor.warnings and "warning(s)" in monitor.health_summary()
+
+
+@torch_only
+def test_monitor_bad_arguments():
+    with pytest.raises(ValueError, match="every_n_steps"):
+        keras_fp8.callbacks.FP8Monitor(every_n_steps=0)
+    with pytest.raises(ValueError, match="saturation_threshold"):
+        keras_fp8.callbacks.FP8Monitor(saturation_threshold=2)
+    with pytest.raises(ValueError, match="probe"):
+        keras_fp8.callbacks.FP8Monitor(probe=(1, 2, 3, 4))
+    model = _model()
+    monitor = keras_fp8.callbacks.FP8Monitor(layers=["nope"])
+    with pytest.raises(ValueError, match="no FP8 layer named"):
+        monitor.measure(model)
+
+
+@torch_only
+def test_monitor_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    x, y = _data()
+    model = _model()
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=1, probe=(x[:32], y[:32]))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    path = tmp_path / "monitor.png"
+    fig = monitor.plot(path=str(path))
+    assert path.stat().st_size > 10_000
+    assert len(fig.axes) == 15
+
+
+@torch_only
+def test_summary_table():
+    x, y = _data()
+    model = _model()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    lines = []
+    keras_fp8.summary(model, print_fn=lines.append)
+    table = lines[0]
+    for name in ("up", "mix", "head"):
+        assert f"\n{name} " in table
+    assert "delayed hybrid h=1024" in table and "32x16x32" in table and " FP8 " in table
+
+    big = _model(min_gemm_size=10**9)
+    big.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    lines = []
+    keras_fp8.summary(big, print_fn=lines.append)
+    assert "bfloat16 (< min_gemm_size)" in lines[0] and "1,000,000,000" in lines[0]
+
+    keras.mixed_precision.set_global_policy("float32")
+    plain = keras.Sequential([keras.Input((4,)), keras_fp8.layers.FP8Dense(2)])
+    lines = []
+    keras_fp8.summary(plain, print_fn=lines.append)
+    assert "float32 (FP8 off)" in lines[0] and "not called" not in lines[0]
