@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from . import distributed
 from . import extension
-from . import fsdp
+from . import gathered
 from . import ops
 from . import reference as ref
 from . import settings as settings_lib
@@ -300,9 +300,9 @@ def _python_fp8_linear(x, weight, bias, state, fp8_format, scaling, margin, algo
     qx, qxt, sx, _ = _quantize(scaling, x2d.detach(), s.input_amax_history, s.input_scale, fwd_dt, margin, algo,
                                need_dw, record, True, reduce=bool(training))
     # A weight FSDP2 gathered in FP8 comes quantized (its state recorded at the gather).
-    gathered = fsdp.fp8_operands(weight, in_out, need_dx)
-    if gathered is not None:
-        qw_fwd, qw_bwd, sw = gathered
+    fp8_weight = gathered.fp8_operands(weight, in_out, need_dx)
+    if fp8_weight is not None:
+        qw_fwd, qw_bwd, sw = fp8_weight
     else:
         wd = weight.detach()
         if not wd.is_contiguous():

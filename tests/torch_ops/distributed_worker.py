@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch_ops  # noqa: E402
 from torch_ops import distributed as fp8_dist  # noqa: E402
 from torch_ops import fsdp as fp8_fsdp  # noqa: E402
+from torch_ops import gathered as fp8_gathered  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -84,7 +85,7 @@ class Counts:
 
     def __init__(self):
         self.reset()
-        pre, operands = fp8_fsdp.FP8AllGatherWeight.fsdp_pre_all_gather, fp8_fsdp.fp8_operands
+        pre, operands = fp8_fsdp.FP8AllGatherWeight.fsdp_pre_all_gather, fp8_gathered.fp8_operands
 
         def counted_pre_all_gather(weight, mesh, outer_size, outer_stride, module, mp_policy):
             inputs, meta = pre(weight, mesh, outer_size, outer_stride, module, mp_policy)
@@ -98,7 +99,7 @@ class Counts:
             return out
 
         fp8_fsdp.FP8AllGatherWeight.fsdp_pre_all_gather = counted_pre_all_gather
-        fp8_fsdp.fp8_operands = counted_operands
+        fp8_gathered.fp8_operands = counted_operands
 
     def reset(self):
         self.pre_all_gather = self.bytes = self.gathered_operands = 0

@@ -19,6 +19,7 @@ from tests.multiprocess import run_worker
 from tests.torch_ops import distributed_worker as worker
 from torch_ops import distributed as fp8_dist
 from torch_ops import fsdp as fp8_fsdp
+from torch_ops import gathered as fp8_gathered
 
 needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -184,13 +185,13 @@ def test_gathered_weight_used_elsewhere_is_dequantized_with_a_warning():
     w = torch.randn(8, 16)
     scale = torch.tensor(0.01)
     q = torch_ops.quantize(w, scale, torch.float8_e4m3fn)[0]
-    gathered = fp8_fsdp.FP8GatheredWeight(q, scale, torch.float32)
+    gathered = fp8_gathered.FP8GatheredWeight(q, scale, torch.float32)
     assert gathered.shape == (8, 16) and gathered.dtype == torch.float32
-    assert fp8_fsdp.fp8_operands(w, False, True) is None
-    qw, qwt, s = fp8_fsdp.fp8_operands(gathered, False, True)
+    assert fp8_gathered.fp8_operands(w, False, True) is None
+    qw, qwt, s = fp8_gathered.fp8_operands(gathered, False, True)
     assert same(qw.view(torch.uint8), q.view(torch.uint8))  # K = 16: no padding
     assert qwt.shape == (16, 16) and same(s, scale)  # the transpose, rows padded to 16 bytes
-    fp8_fsdp._warned_dequantized.clear()
+    fp8_gathered._warned_dequantized.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         doubled = gathered * 2
