@@ -1,6 +1,6 @@
 """Every place keras-fp8 touches Keras's internals, each with the reason.
 
-Keras's public API has no hook for three things keras-fp8 needs, so this
+Keras's public API has no hook for five things keras-fp8 needs, so this
 module patches them (at `import keras_fp8`, idempotently), and it holds every
 private Keras name the package uses, so that a Keras upgrade is checked here
 and nowhere else. Written for the Keras versions in `TESTED_KERAS`; another
@@ -18,9 +18,26 @@ The patches:
 3. `Trainer.compile`: Keras wraps the optimizer in a `LossScaleOptimizer` only
    for the policy named exactly `"mixed_float16"`; the FP8 float16 policies
    need keras-fp8's wrapper, whatever made the model FP8.
+4. `Dense.build` / `EinsumDense.build` and their `load_own_variables`: an FP8
+   policy must make Keras's own projection layers FP8 (model zoos build
+   theirs from these classes), and their plain form must read an FP8
+   checkpoint. Keras's quantization hook (`quantization_mode`,
+   `quantized_build`, `quantized_call`) cannot carry it: a policy whose
+   `quantization_mode` is set sends every layer under it (LayerNormalization,
+   Embedding, ...) to `quantized_call`, the modes are a closed list
+   (`QUANTIZATION_MODES`) checked throughout Keras, and Keras's setter of a
+   quantized policy calls `quantize()` on built layers. The build hook makes
+   the layer an instance of the FP8 class instead (`keras_fp8/layers/swap.py`),
+   so the FP8 layers' own code runs (`keras_fp8/policy_layers.py`).
+5. `Model.quantize`: Keras's quantization cannot take FP8 layers or layers
+   under FP8 policies (it builds `"int8_from_<policy name>"`, which it cannot
+   parse for an FP8 name, or skips FP8 layers with a warning), and it
+   quantizes layer by layer, so an error at the first FP8 layer would leave a
+   half-quantized model: the check runs before anything changes.
 """
 
 import contextlib
+import functools
 import warnings
 
 import keras
@@ -110,6 +127,53 @@ def wrap_compile_optimizer(wrap):
     _trainer_module.Trainer.compile = compile
 
 
+_KERAS_DENSE_METHODS = {
+    cls: (cls.build, cls.load_own_variables)
+    for cls in (keras.layers.Dense, keras.layers.EinsumDense)
+}
+
+
+def hook_dense_layers(build_hook, load_hook):
+    """Patch 4: `Dense`/`EinsumDense.build(input_shape)` becomes
+    `build_hook(layer, input_shape, keras_build)`, and their
+    `load_own_variables(store)` becomes `load_hook(layer, store, keras_load)`.
+
+    Keras's `Layer.__new__` wraps the `build` an instance has when it is
+    created, so layers created after the patch get it.
+    """
+    for cls, (keras_build, keras_load) in _KERAS_DENSE_METHODS.items():
+
+        def make(keras_build=keras_build, keras_load=keras_load):
+            # `functools.wraps` keeps `build`'s signature: Keras's build
+            # wrapper binds its arguments to record the build config.
+            @functools.wraps(keras_build)
+            def build(self, input_shape):
+                return build_hook(self, input_shape, keras_build)
+
+            @functools.wraps(keras_load)
+            def load_own_variables(self, store):
+                return load_hook(self, store, keras_load)
+
+            return build, load_own_variables
+
+        cls.build, cls.load_own_variables = make()
+
+
+_keras_model_quantize = keras.Model.quantize
+
+
+def check_before_quantize(check):
+    """Patch 5: `Model.quantize(mode, ...)` first calls `check(model, mode)`,
+    which may raise."""
+
+    @functools.wraps(_keras_model_quantize)
+    def quantize(self, mode=None, config=None, filters=None, **kwargs):
+        check(self, mode)
+        return _keras_model_quantize(self, mode, config=config, filters=filters, **kwargs)
+
+    keras.Model.quantize = quantize
+
+
 # --------------------------------------------------------------------------- private names, wrapped
 def raw_value(variable):
     """A variable's value in its own dtype: no mixed-precision autocast."""
@@ -177,6 +241,13 @@ def build_input_shape(layer):
     if shape is None and shapes:
         shape = next(iter(shapes.values()))
     return shape
+
+
+def set_policy_object(layer, policy):
+    """Makes `policy` the layer's dtype policy object. Keras's
+    `dtype_policy` setter cannot replace a `DTypePolicyMap`: it writes the
+    new policy into the map, under the layer's path."""
+    layer._dtype_policy = policy
 
 
 def check_load_own_variables(layer, store):
