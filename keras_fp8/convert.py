@@ -257,8 +257,18 @@ def _record_in_policy_maps(model, converted_layers, policy):
     under a `DTypePolicyMap` takes the entry of its path: reloaded, the
     converted layers build under `policy`, hence FP8. The map's default is
     the layer's own policy, so nothing else changes.
+
+    Each path is recorded as it is and without the model's name in front: a
+    subclassed model called on data builds its layers inside its own name
+    (`net/block/up`), but rebuilt from a file, outside it (`block/up`).
     """
-    entries = {layer.path: layer for layer in converted_layers if layer.path}
+    entries = set()
+    prefix = model.name + "/"
+    for layer in converted_layers:
+        if layer.path:
+            entries.add(layer.path)
+            if layer.path.startswith(prefix):
+                entries.add(layer.path[len(prefix):])
     for holder in compat.sublayers(model):
         if isinstance(holder, swap.FP8_CLASSES) or not compat.sublayers(holder, include_self=False):
             continue
@@ -270,7 +280,7 @@ def _record_in_policy_maps(model, converted_layers, policy):
         else:
             policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=current)
             compat.set_policy_object(holder, policy_map)
-        for path in entries:
+        for path in sorted(entries):
             if path in policy_map:
                 del policy_map[path]
             policy_map[path] = policy

@@ -17,8 +17,16 @@ layers' code. Exceptions, which build as plain layers:
 The reverse direction: a plain `Dense`/`EinsumDense` given an FP8 checkpoint
 of itself (`.weights.h5` of the FP8 form, or a `.keras` file whose layer is
 rebuilt plain) loads the kernel and bias and leaves the FP8 state out, with a
-one-time warning. Both hooks are installed by `keras_fp8/compat.py`
-(patch 4).
+one-time warning.
+
+Weight files address an FP8 layer as its plain class (`layers/dense`, not
+`layers/fp8_dense`), so the plain and the FP8 form of a model read each
+other's `.weights.h5`.
+
+Keras's quantization (`model.quantize`, `layer.quantize`) refuses FP8 layers
+and layers under FP8 policies with a ValueError before it changes anything
+(`keras_fp8.unconvert` first). The hooks are installed by
+`keras_fp8/compat.py` (patches 4 to 6).
 """
 
 import warnings
@@ -79,14 +87,27 @@ def load_own_variables(layer, store, keras_load):
     return keras_load(layer, store)
 
 
+def check_layer_quantize(layer, mode):
+    """Raises before Keras's `Dense.quantize` / `EinsumDense.quantize` runs
+    on a layer that is an FP8 layer now."""
+    if isinstance(layer, swap.FP8_CLASSES):
+        raise fp8_state.quantize_error([layer], mode)
+
+
 def check_quantize(model, mode):
     """Raises before Keras's `model.quantize(mode)` changes anything when
     `model` holds FP8 layers or layers under FP8 policies."""
-    fp8 = [
+    layers = compat.sublayers(model)
+    fp8 = [layer for layer in layers if isinstance(layer, swap.FP8_CLASSES)]
+    # Layers with weights of their own under FP8 policies (Keras would
+    # quantize them from a policy name it cannot parse).
+    fp8 += [
         layer
-        for layer in compat.sublayers(model)
-        if isinstance(layer, swap.FP8_CLASSES)
-        or isinstance(policy_lib.layer_policy(layer), policy_lib.FP8DTypePolicy)
+        for layer in layers
+        if layer not in fp8
+        and isinstance(policy_lib.layer_policy(layer), policy_lib.FP8DTypePolicy)
+        and layer.weights
+        and not compat.sublayers(layer, include_self=False)
     ]
     if fp8:
         raise fp8_state.quantize_error(fp8, mode)
@@ -94,6 +115,9 @@ def check_quantize(model, mode):
 
 def register():
     """Installs the hooks (idempotent; done at `import keras_fp8`:
-    `keras_fp8/compat.py`, patches 4 and 5)."""
-    compat.hook_dense_layers(build, load_own_variables)
+    `keras_fp8/compat.py`, patches 4 to 6)."""
+    compat.hook_dense_layers(build, load_own_variables, check_layer_quantize)
     compat.check_before_quantize(check_quantize)
+    compat.name_in_weight_files_as(
+        {fp8.__name__: plain.__name__ for fp8, plain in swap.PLAIN_CLASS.items()}
+    )

@@ -89,10 +89,10 @@ def quantize_error(layers, mode):
     names = ", ".join(f"'{l.path or l.name}'" for l in layers[:3])
     more = f" and {len(layers) - 3} more" if len(layers) > 3 else ""
     return ValueError(
-        f"Cannot quantize(mode={mode!r}): layers {names}{more} train in FP8 "
-        "or run under an FP8 dtype policy (keras_fp8), which Keras's "
-        "quantization does not know. Call `keras_fp8.unconvert(model)` first "
-        "(it returns FP8 layers to plain Dense/EinsumDense with the same "
+        f"Cannot quantize(mode={mode!r}): these layers are FP8 layers or run "
+        "under an FP8 dtype policy (keras_fp8), which Keras's quantization "
+        f"does not know: {names}{more}. Call `keras_fp8.unconvert(model)` "
+        "first (it returns FP8 layers to plain Dense/EinsumDense with the same "
         "weights, and FP8 policies to their mixed-precision policies), then "
         "`model.quantize(...)`."
     )

@@ -9,6 +9,7 @@ FP8 policy (`keras_fp8/policy_layers.py`), by `keras_fp8.convert` and by
 
 import keras
 
+from keras_fp8 import compat
 from keras_fp8.layers.fp8_dense import FP8Dense
 from keras_fp8.layers.fp8_einsum_dense import FP8EinsumDense
 from keras_fp8.layers.fp8_einsum_dense import MatmulPlan
@@ -92,7 +93,7 @@ def to_plain(layer):
     deleted, its kernel and bias stay."""
     for name in STATE_VARIABLE_NAMES:
         if name in vars(layer):
-            delattr(layer, name)  # Keras's Layer.__delattr__ untracks it
+            compat.remove_variable(layer, name)
     for name in ("recipe", "min_gemm_size", "_plan"):
         if name in vars(layer):
             delattr(layer, name)
