@@ -76,7 +76,8 @@ def convert(
 
     Layers that are left alone:
     - FP8 layers (already converted);
-    - layers that `policy`'s `exclude` matches (no warning);
+    - layers that the `exclude` of their FP8 policy (`policy`, else their
+      own) matches (no warning);
     - with a warning: a layer with LoRA enabled or a quantized layer
       (`quantization_mode` set: int8, float8, ...), since FP8 layers support
       neither; a strict subclass of `Dense`/`EinsumDense` (its own `call`
@@ -125,7 +126,6 @@ def convert(
             "conversion: call it on data or call `model.build(input_shape)` "
             "first, so that the kernels exist and keep their values."
         )
-    policy_excludes = getattr(policy, "excludes", lambda layer: False)
 
     # Plan first, so that nothing changes when a layer cannot be converted.
     plan = []
@@ -134,7 +134,7 @@ def convert(
             continue
         if not (include_fn(layer) and not exclude_fn(layer)):
             continue
-        if policy_excludes(layer):
+        if _excluded_by_policy(layer, policy):
             continue
         reason = None if layer.built else "it is not built (never called)"
         if reason is None:
@@ -221,6 +221,13 @@ def unconvert(model, *, policy=None):
     if unconverted:
         _reset_compiled_functions(model, "unconvert", "the variables left")
     return unconverted
+
+
+def _excluded_by_policy(layer, policy):
+    """Whether the FP8 policy the layer would run under (`policy`, else its
+    own) excludes it."""
+    policy = policy if policy is not None else policy_lib.layer_policy(layer)
+    return isinstance(policy, policy_lib.FP8DTypePolicy) and policy.excludes(layer)
 
 
 def _without_fp8(policy, replacement):

@@ -104,10 +104,11 @@ def predict(task, x):
     return to_numpy(task.predict_on_batch(x))
 
 
-def train_save_resume(name, policy, steps=(3, 2)):
+def train_save_resume(name, policy, steps=(3, 2), compare=True):
     """Builds under `policy`, trains `steps[0]` steps, saves, reloads under
-    `float32`, trains `steps[1]` more. Returns the losses, the model and
-    the reloaded model."""
+    `float32`, trains `steps[1]` more. Returns the losses, the model, the
+    reloaded model, and (with `compare`) the values and predictions of both
+    just after loading."""
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(0)
     task = MODELS[name][0]()
@@ -121,8 +122,10 @@ def train_save_resume(name, policy, steps=(3, 2)):
     # keras_hub tasks override `compile`, so Keras does not restore their
     # optimizer from the file (for bf16 models as well): compile again.
     compile_task(loaded)
-    before = (values(task), predict(task, data[0][0]))
-    after_load = (values(loaded), predict(loaded, data[0][0]))
+    before = after_load = None
+    if compare:
+        before = (values(task), predict(task, data[0][0]))
+        after_load = (values(loaded), predict(loaded, data[0][0]))
     losses += [loaded.train_on_batch(x, y, w)[0] for x, y, w in data[steps[0]:]]
     return losses, task, loaded, before, after_load
 
@@ -131,7 +134,7 @@ def train_save_resume(name, policy, steps=(3, 2)):
 def test_policy_alone_trains_saves_and_resumes_like_bf16(name):
     n_fp8 = MODELS[name][1]
     losses, task, loaded, before, after_load = train_save_resume(name, "fp8_hybrid")
-    bf16_losses, bf16_task, _, _, _ = train_save_resume(name, "mixed_bfloat16")
+    bf16_losses, bf16_task, _, _, _ = train_save_resume(name, "mixed_bfloat16", compare=False)
 
     projections = [l for l in task._flatten_layers()
                    if isinstance(l, (keras.layers.Dense, keras.layers.EinsumDense))]

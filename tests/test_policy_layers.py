@@ -92,7 +92,7 @@ class PolicyMakesFP8LayersTest(parameterized.TestCase):
             self.assertEqual(set(names) - {"kernel", "bias"}, state_names, layer.path)
             self.assertLen(names, len(state_names) + (2 if layer.bias is not None else 1))
         self.assertIs(type(model.get_layer("norm")), keras.layers.LayerNormalization)
-        model.compile(optimizer="adam", loss="mse")
+        model.compile(optimizer="adam", loss="mse", run_eagerly=True)
         model.fit(rng_normal((8, 6, 16), 0), rng_normal((8, 4), 1), batch_size=4, verbose=0)
         for layer in fp8:
             self.assertEqual(np.count_nonzero(to_numpy(layer.input_amax_history)), 2, layer.path)
@@ -214,6 +214,12 @@ class ExclusionTest(parameterized.TestCase):
     def test_conflicting_exclude(self):
         with self.assertRaisesRegex(ValueError, "Conflicting.*exclude"):
             keras_fp8.FP8DTypePolicy("fp8_hybrid[exclude=a]", exclude="b")
+
+    def test_convert_keeps_excluded_layers_plain(self):
+        keras.mixed_precision.set_global_policy("fp8_hybrid[exclude=head]")
+        model = _functional()
+        self.assertEqual(keras_fp8.convert(model), [])
+        self.assertIs(type(model.get_layer("head")), keras.layers.Dense)
 
     def test_explicit_fp8_layers_are_not_excluded(self):
         layer = FP8Dense(4, dtype="fp8_hybrid[exclude=.*]")
