@@ -96,10 +96,11 @@ def make_layer(variant, k, n):
 
 
 # --------------------------------------------------------------------------- torch
-def _torch_steps(layers, m, k, n, cuda):
+def _torch_steps(layers, m, k, n):
     import torch
 
-    device = "cuda" if cuda else "cpu"
+    # The data goes where Keras put the variables (the GPU even in a dry run).
+    device = next(iter(layers.values())).trainable_variables[0].value.device
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
 
@@ -225,7 +226,7 @@ def worker(args):
                 problems[v] = e
         extra = {v: {} for v in names}
         if backend == "torch":
-            steps = _torch_steps(layers, m, k, n, cuda)
+            steps = _torch_steps(layers, m, k, n)
         else:
             steps, compiled = _jax_steps(layers, m, k, n)
             if args.memory:

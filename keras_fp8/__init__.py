@@ -4,9 +4,10 @@
 
     keras.mixed_precision.set_global_policy("fp8_hybrid")
 
-just works: `FP8Dense`/`FP8EinsumDense` layers compute in FP8 (E4M3 forward,
-E5M2 output gradient, delayed scaling) and every other layer runs as under
-`mixed_bfloat16`.
+just works: every `keras.layers.Dense` / `EinsumDense` built under it (in any
+model, keras_hub's included) becomes an FP8 layer (E4M3 forward, E5M2 output
+gradient, delayed scaling), as `FP8Dense`/`FP8EinsumDense` are, and every
+other layer runs as under `mixed_bfloat16`.
 """
 
 import importlib.util as _importlib_util
@@ -70,10 +71,12 @@ from keras_fp8 import layers
 from keras_fp8 import numerics
 from keras_fp8 import optimizers
 from keras_fp8 import policy as _policy_module
+from keras_fp8 import policy_layers as _policy_layers
 from keras_fp8 import recipes
 from keras_fp8.autocast import autocast
 from keras_fp8.backends import xla_flags as _xla_flags
 from keras_fp8.convert import convert
+from keras_fp8.convert import unconvert
 from keras_fp8.inspection import summary
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
@@ -90,6 +93,7 @@ _xla_flags.configure(_keras.backend.backend())
 _policy_module.register()
 _autocast_module.register()
 optimizers.register()
+_policy_layers.register()
 _backends.preload()
 
 __all__ = [
@@ -108,4 +112,5 @@ __all__ = [
     "optimizers",
     "recipes",
     "summary",
+    "unconvert",
 ]

@@ -1,6 +1,6 @@
 """Every place keras-fp8 touches Keras's internals, each with the reason.
 
-Keras's public API has no hook for three things keras-fp8 needs, so this
+Keras's public API has no hook for six things keras-fp8 needs, so this
 module patches them (at `import keras_fp8`, idempotently), and it holds every
 private Keras name the package uses, so that a Keras upgrade is checked here
 and nowhere else. Written for the Keras versions in `TESTED_KERAS`; another
@@ -18,9 +18,35 @@ The patches:
 3. `Trainer.compile`: Keras wraps the optimizer in a `LossScaleOptimizer` only
    for the policy named exactly `"mixed_float16"`; the FP8 float16 policies
    need keras-fp8's wrapper, whatever made the model FP8.
+4. `Dense.build` / `EinsumDense.build`, their `load_own_variables` and their
+   `quantize`: an FP8 policy must make Keras's own projection layers FP8
+   (model zoos build theirs from these classes), their plain form must read
+   an FP8 checkpoint, and a layer that became FP8 must refuse Keras's
+   quantization clearly (Keras binds `quantize` per instance when the layer
+   is created, so the FP8 class's own refusal never runs for it). Keras's quantization hook (`quantization_mode`,
+   `quantized_build`, `quantized_call`) cannot carry it: a policy whose
+   `quantization_mode` is set sends every layer under it (LayerNormalization,
+   Embedding, ...) to `quantized_call`, the modes are a closed list
+   (`QUANTIZATION_MODES`) checked throughout Keras, and Keras's setter of a
+   quantized policy calls `quantize()` on built layers. The build hook makes
+   the layer an instance of the FP8 class instead (`keras_fp8/layers/swap.py`),
+   so the FP8 layers' own code runs (`keras_fp8/policy_layers.py`).
+5. `Model.quantize`: Keras's quantization cannot take FP8 layers or layers
+   under FP8 policies (it builds `"int8_from_<policy name>"`, which it cannot
+   parse for an FP8 name, or skips FP8 layers with a warning), and it
+   quantizes layer by layer, so an error at the first FP8 layer would leave a
+   half-quantized model: the check runs before anything changes.
+6. The names weight files give layers held in lists (the layers of a
+   Functional or Sequential model): Keras derives them from the class name
+   (`layers/dense`, `layers/fp8_dense`), so the plain and the FP8 form of the
+   same model would address the same layer differently and their
+   `.weights.h5` files could not move between them. `saving_lib` sees
+   `naming` through a view that names `FP8Dense` as `Dense` and
+   `FP8EinsumDense` as `EinsumDense`.
 """
 
 import contextlib
+import functools
 import warnings
 
 import keras
@@ -29,7 +55,9 @@ from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_s
 from keras.src.backend.common.variables import AutocastScope as _AutocastScope
 from keras.src.distribution import distribution_lib as _distribution_lib
 from keras.src.dtype_policies import dtype_policy as _dtype_policy_module
+from keras.src.saving import saving_lib as _saving_lib
 from keras.src.trainers import trainer as _trainer_module
+from keras.src.utils import naming as _naming
 
 # (major, minor) versions of Keras this module was written and tested for.
 TESTED_KERAS = ((3, 15),)
@@ -108,6 +136,79 @@ def wrap_compile_optimizer(wrap):
 
     compile.__doc__ = _keras_compile.__doc__
     _trainer_module.Trainer.compile = compile
+
+
+_KERAS_DENSE_METHODS = {
+    cls: (cls.build, cls.load_own_variables, cls.quantize)
+    for cls in (keras.layers.Dense, keras.layers.EinsumDense)
+}
+
+
+def hook_dense_layers(build_hook, load_hook, quantize_hook):
+    """Patch 4: on `Dense` and `EinsumDense`, `build(input_shape)` becomes
+    `build_hook(layer, input_shape, keras_build)`, `load_own_variables(store)`
+    becomes `load_hook(layer, store, keras_load)`, and `quantize(...)` first
+    calls `quantize_hook(layer, mode)`, which may raise.
+
+    Keras's `Layer.__new__` wraps the `build` and `quantize` an instance has
+    when it is created, so layers created after the patch get them.
+    """
+    for cls, (keras_build, keras_load, keras_quantize) in _KERAS_DENSE_METHODS.items():
+
+        def make(keras_build=keras_build, keras_load=keras_load, keras_quantize=keras_quantize):
+            # `functools.wraps` keeps `build`'s signature: Keras's build
+            # wrapper binds its arguments to record the build config.
+            @functools.wraps(keras_build)
+            def build(self, input_shape):
+                return build_hook(self, input_shape, keras_build)
+
+            @functools.wraps(keras_load)
+            def load_own_variables(self, store):
+                return load_hook(self, store, keras_load)
+
+            @functools.wraps(keras_quantize)
+            def quantize(self, mode=None, type_check=True, config=None):
+                quantize_hook(self, mode)
+                return keras_quantize(self, mode, type_check=type_check, config=config)
+
+            return build, load_own_variables, quantize
+
+        cls.build, cls.load_own_variables, cls.quantize = make()
+
+
+_keras_model_quantize = keras.Model.quantize
+
+
+def check_before_quantize(check):
+    """Patch 5: `Model.quantize(mode, ...)` first calls `check(model, mode)`,
+    which may raise."""
+
+    @functools.wraps(_keras_model_quantize)
+    def quantize(self, mode=None, config=None, filters=None, **kwargs):
+        check(self, mode)
+        return _keras_model_quantize(self, mode, config=config, filters=filters, **kwargs)
+
+    keras.Model.quantize = quantize
+
+
+class _CheckpointNaming:
+    """`keras.src.utils.naming` as `saving_lib` sees it (patch 6): class
+    names in `aliases` are named as their alias."""
+
+    def __init__(self, aliases):
+        self._aliases = dict(aliases)
+
+    def __getattr__(self, name):
+        return getattr(_naming, name)
+
+    def to_snake_case(self, name):
+        return _naming.to_snake_case(self._aliases.get(name, name))
+
+
+def name_in_weight_files_as(aliases):
+    """Patch 6: in weight files, an object of a class named `k` (a key of
+    `aliases`) is addressed as one of class `aliases[k]` would be."""
+    _saving_lib.naming = _CheckpointNaming(aliases)
 
 
 # --------------------------------------------------------------------------- private names, wrapped
@@ -197,6 +298,17 @@ def unlocked_tracker(layer):
         layer._tracker.lock()
 
 
+def remove_variable(layer, name):
+    """Untracks the variable `layer.<name>` and deletes the attribute.
+
+    Keras's `Layer.__delattr__` does the same plus a `gc.collect()` per
+    variable, which costs a fraction of a second each in a large process.
+    """
+    variable = getattr(layer, name)
+    layer._untrack_variable(variable)
+    object.__delattr__(layer, name)
+
+
 def layer_name_scope(layer):
     """The name scope `build` runs in: new variables get the paths `build`
     would have given them."""
@@ -217,6 +329,13 @@ def build_input_shape(layer):
     if shape is None and shapes:
         shape = next(iter(shapes.values()))
     return shape
+
+
+def set_policy_object(layer, policy):
+    """Makes `policy` the layer's dtype policy object. Keras's
+    `dtype_policy` setter cannot replace a `DTypePolicyMap`: it writes the
+    new policy into the map, under the layer's path."""
+    layer._dtype_policy = policy
 
 
 def check_load_own_variables(layer, store):

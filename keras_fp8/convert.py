@@ -1,10 +1,17 @@
-"""Converts the Dense/EinsumDense layers of a built model to FP8, in place.
+"""Converts the Dense/EinsumDense layers of a built model to FP8, and back.
+
+Under an FP8 policy a model needs neither: its `Dense`/`EinsumDense` layers
+become FP8 layers when they build (`keras_fp8/policy_layers.py`). `convert`
+is for a model that is already built (e.g. loaded from a plain checkpoint);
+`unconvert` returns any model to plain Keras layers and policies (export,
+serving, Keras's own quantization).
 
 ```python
 model = keras.models.load_model("bf16_model.keras")  # any built model
 converted = keras_fp8.convert(model, exclude="head", policy="fp8_hybrid")
 model.compile(optimizer="adam", loss=...)   # (re)compile after converting
 model.fit(...)
+keras_fp8.unconvert(model)                  # plain Dense/EinsumDense again
 ```
 
 Each converted layer keeps its identity (the same Python object, the same
@@ -19,14 +26,18 @@ does not reach its layers. FP8 runs where the converted layer's own policy is
 an FP8 policy (pass `policy="fp8_hybrid"` to `convert`, which also makes the
 converted layers compute in bfloat16), or inside `keras_fp8.autocast(...)`.
 
-Saving: Sequential and Functional models whose converted layers are their
-own layers serialize the FP8 classes, so `model.save` /
-`keras.models.load_model` rebuild FP8 layers with their state. Layers created
-by their parent's code (subclassed models, custom layers,
-`MultiHeadAttention`'s projections) come back as `Dense`/`EinsumDense` when
-the parent is rebuilt from its config: rebuild the model, `convert` it the
-same way, then `model.load_weights(path)` (`path` may be the `.keras` archive
-itself, or a `.weights.h5` file).
+Saving: with `policy=` an FP8 policy, `model.save` / `keras.models.load_model`
+bring the model back FP8 with its state. Sequential and Functional models
+serialize their own layers' FP8 classes and policies; layers that their
+parent's code creates (keras_hub backbones and tasks, `MultiHeadAttention`'s
+projections, custom layers that pass `dtype=self.dtype_policy` on) come back
+through their parents' dtype policy: `convert` records each converted
+layer's path and policy in a `keras.dtype_policies.DTypePolicyMap` on every
+layer that holds sublayers (the mechanism keras_hub uses for quantized
+layers), and the rebuilt layers build FP8 from it. A subclassed model whose
+code creates its layers without a `dtype` rebuilds them under the global
+policy in effect when it loads: load it under the FP8 policy, or rebuild it,
+convert it the same way and `model.load_weights(path)`.
 """
 
 import re
@@ -35,18 +46,10 @@ import warnings
 import keras
 
 from keras_fp8 import compat
+from keras_fp8 import policy as policy_lib
 from keras_fp8 import recipes
-from keras_fp8.layers.fp8_dense import FP8Dense
-from keras_fp8.layers.fp8_einsum_dense import FP8EinsumDense
+from keras_fp8.layers import swap
 from keras_fp8.layers.fp8_einsum_dense import MatmulPlan
-
-# Exact source class -> FP8 class. Subclasses of Dense/EinsumDense are not
-# converted: swapping their class would drop their own overrides.
-_CONVERSIONS = (
-    (keras.layers.Dense, FP8Dense),
-    (keras.layers.EinsumDense, FP8EinsumDense),
-)
-_FP8_CLASSES = (FP8Dense, FP8EinsumDense)
 
 
 def convert(
@@ -73,6 +76,8 @@ def convert(
 
     Layers that are left alone:
     - FP8 layers (already converted);
+    - layers that the `exclude` of their FP8 policy (`policy`, else their
+      own) matches (no warning);
     - with a warning: a layer with LoRA enabled or a quantized layer
       (`quantization_mode` set: int8, float8, ...), since FP8 layers support
       neither; a strict subclass of `Dense`/`EinsumDense` (its own `call`
@@ -93,7 +98,10 @@ def convert(
         policy: Optional dtype policy (name or policy) for the converted
             layers, e.g. `"fp8_hybrid"`; None keeps each layer's own policy.
             The converted layers run in FP8 only when their policy is an FP8
-            policy or inside an enabled `keras_fp8.autocast` scope.
+            policy or inside an enabled `keras_fp8.autocast` scope. An FP8
+            policy is also recorded where the model's layers rebuild their
+            sublayers from (see the module docstring), so that `.keras`
+            files reload FP8.
 
     Returns:
         The paths (`layer.path`) of the converted layers, in traversal order.
@@ -104,12 +112,7 @@ def convert(
         ValueError: If `model` is not built, or a regular expression,
             `recipe`, `min_gemm_size` or `policy` is invalid.
     """
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(
-            "Argument `model` must be a Keras model or layer (a "
-            "`keras.Model` or `keras.layers.Layer`). Received: "
-            f"model={model!r} of type {type(model).__name__}"
-        )
+    _check_model(model)
     include_fn = _selector(include, "include", default=True)
     exclude_fn = _selector(exclude, "exclude", default=False)
     if recipe is not None:
@@ -127,59 +130,179 @@ def convert(
     # Plan first, so that nothing changes when a layer cannot be converted.
     plan = []
     for layer in compat.sublayers(model):
-        if isinstance(layer, _FP8_CLASSES):
-            continue
-        target = _target_class(layer)
-        if target is None:
+        if isinstance(layer, swap.FP8_CLASSES) or swap.plain_base(layer) is None:
             continue
         if not (include_fn(layer) and not exclude_fn(layer)):
             continue
-        path = layer.path or layer.name
-        if type(layer) is not _source_class(layer):
-            _warn_skip(
-                layer,
-                f"its class {type(layer).__name__} is a subclass of "
-                f"{_source_class(layer).__name__}; converting it would drop "
-                "its own methods",
-            )
+        if _excluded_by_policy(layer, policy):
             continue
-        if getattr(layer, "lora_enabled", False):
-            _warn_skip(
-                layer, "LoRA is enabled (FP8 layers do not support LoRA)"
-            )
+        reason = None if layer.built else "it is not built (never called)"
+        if reason is None:
+            reason = swap.why_not_fp8(layer, _input_ndim(layer))
+        if reason is not None:
+            _warn_skip(layer, reason)
             continue
-        if layer.quantization_mode is not None:
-            _warn_skip(
-                layer,
-                f"it is quantized (quantization_mode="
-                f"'{layer.quantization_mode}')",
-            )
-            continue
-        if not layer.built:
-            _warn_skip(layer, "it is not built (never called)")
-            continue
-        matmul_plan = None
-        if target is FP8EinsumDense:
-            try:
-                matmul_plan = MatmulPlan(layer.equation, _input_ndim(layer))
-            except ValueError as e:
-                _warn_skip(layer, str(e))
-                continue
-        plan.append((layer, target, matmul_plan, path))
+        plan.append(layer)
 
     converted = []
-    for layer, target, matmul_plan, path in plan:
-        _convert_layer(
-            layer, target, matmul_plan, recipe, min_gemm_size, policy
-        )
-        converted.append(path)
+    for layer in plan:
+        _convert_layer(layer, recipe, min_gemm_size, policy)
+        converted.append(layer.path or layer.name)
+    if plan and isinstance(policy, policy_lib.FP8DTypePolicy):
+        _record_in_policy_maps(model, plan, policy)
     if converted:
         _retrack_torch_parameters(model)
-        _reset_compiled_functions(model)
+        _reset_compiled_functions(model, "convert", "the new FP8 state variables")
     return converted
 
 
-def _reset_compiled_functions(model):
+def unconvert(model, *, policy=None):
+    """Returns a model to plain Keras layers and policies, in place.
+
+    Every `FP8Dense` / `FP8EinsumDense` in `model` (made by a policy, by
+    `convert` or written as such) becomes a `keras.layers.Dense` /
+    `EinsumDense` again: the same object with the same kernel and bias,
+    without the FP8 state variables. Every FP8 dtype policy in the model
+    (layers' own, and the entries and defaults of `DTypePolicyMap`s) is
+    replaced by `policy`, or by its mixed-precision counterpart
+    (`"fp8_hybrid"` -> `"mixed_bfloat16"`, `"fp8_hybrid_float16"` ->
+    `"mixed_float16"`): the model then computes as under that policy, saves
+    without any keras_fp8 object (it loads where keras_fp8 is not installed),
+    and can go through Keras's own `model.quantize(...)`.
+
+    Compile again before training (the variables changed).
+
+    Args:
+        model: A `keras.Model` or `keras.layers.Layer`.
+        policy: Optional dtype policy (name or policy, not an FP8 or
+            quantized one) for what ran under FP8 policies; None: each FP8
+            policy's `mixed_precision_name`.
+
+    Returns:
+        The paths (`layer.path`) of the layers that were FP8 layers.
+
+    Raises:
+        TypeError: If `model` is not a Keras layer/model.
+        ValueError: If `policy` is invalid, an FP8 or a quantized policy.
+
+    Example:
+
+    ```python
+    keras.mixed_precision.set_global_policy("fp8_hybrid")
+    model = build_model()
+    model.fit(...)
+    keras_fp8.unconvert(model)       # Dense/EinsumDense, mixed_bfloat16
+    model.save("serving.keras")      # loads without keras_fp8
+    ```
+    """
+    _check_model(model)
+    if policy is not None:
+        policy = _check_policy(policy)
+        if isinstance(policy, policy_lib.FP8DTypePolicy):
+            raise ValueError(
+                "Invalid `policy`: unconvert needs a policy that is not an FP8 "
+                f"policy (e.g. 'mixed_bfloat16'). Received: policy={policy!r}"
+            )
+    layers = compat.sublayers(model)
+    unconverted = []
+    for layer in layers:
+        if type(layer) in swap.PLAIN_CLASS:
+            swap.to_plain(layer)
+            unconverted.append(layer.path or layer.name)
+    replaced = {}
+    for layer in layers:
+        current = layer.dtype_policy
+        if id(current) not in replaced:
+            replaced[id(current)] = _without_fp8(current, policy)
+        new = replaced[id(current)]
+        if new is not current:
+            compat.set_policy_object(layer, new)
+    _retrack_torch_parameters(model)
+    if unconverted:
+        _reset_compiled_functions(model, "unconvert", "the variables left")
+    return unconverted
+
+
+def _excluded_by_policy(layer, policy):
+    """Whether the FP8 policy the layer would run under (`policy`, else its
+    own) excludes it."""
+    policy = policy if policy is not None else policy_lib.layer_policy(layer)
+    return isinstance(policy, policy_lib.FP8DTypePolicy) and policy.excludes(layer)
+
+
+def _without_fp8(policy, replacement):
+    """`policy` with every FP8 policy in it replaced (`policy` itself when it
+    holds none)."""
+
+    def plain(p):
+        if not isinstance(p, policy_lib.FP8DTypePolicy):
+            return p
+        return replacement if replacement is not None else keras.dtype_policies.get(
+            p.mixed_precision_name
+        )
+
+    if not isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return plain(policy)
+    default = policy.default_policy
+    entries = {key: policy[key] for key in policy}
+    if not any(isinstance(p, policy_lib.FP8DTypePolicy) for p in [default, *entries.values()]):
+        return policy
+    default = plain(default)
+    entries = {key: plain(p) for key, p in entries.items()}
+    if all(p == default for p in entries.values()):
+        return default
+    return keras.dtype_policies.DTypePolicyMap(default_policy=default, policy_map=entries)
+
+
+def _record_in_policy_maps(model, converted_layers, policy):
+    """Records `path -> policy` of the converted layers in a `DTypePolicyMap`
+    on every layer of `model` that holds sublayers.
+
+    Layers that create their sublayers in their own code pass their dtype
+    policy on to them (keras_hub backbones pass theirs to every block and to
+    a task's head, `MultiHeadAttention` to its projections), and a sublayer
+    under a `DTypePolicyMap` takes the entry of its path: reloaded, the
+    converted layers build under `policy`, hence FP8. The map's default is
+    the layer's own policy, so nothing else changes.
+
+    Each path is recorded as it is and without the model's name in front: a
+    subclassed model called on data builds its layers inside its own name
+    (`net/block/up`), but rebuilt from a file, outside it (`block/up`).
+    """
+    entries = set()
+    prefix = model.name + "/"
+    for layer in converted_layers:
+        if layer.path:
+            entries.add(layer.path)
+            if layer.path.startswith(prefix):
+                entries.add(layer.path[len(prefix):])
+    for holder in compat.sublayers(model):
+        if isinstance(holder, swap.FP8_CLASSES) or not compat.sublayers(holder, include_self=False):
+            continue
+        current = holder.dtype_policy
+        if current.quantization_mode is not None:
+            continue
+        if isinstance(current, keras.dtype_policies.DTypePolicyMap):
+            policy_map = current
+        else:
+            policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=current)
+            compat.set_policy_object(holder, policy_map)
+        for path in sorted(entries):
+            if path in policy_map:
+                del policy_map[path]
+            policy_map[path] = policy
+
+
+def _check_model(model):
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "Argument `model` must be a Keras model or layer (a "
+            "`keras.Model` or `keras.layers.Layer`). Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+
+
+def _reset_compiled_functions(model, what, new_variables):
     """Drops cached train/test/predict functions built for the old layers.
 
     They were traced over the old variable lists; `fit`/`predict` rebuild
@@ -195,9 +318,9 @@ def _reset_compiled_functions(model):
     optimizer = getattr(model, "optimizer", None)
     if getattr(model, "compiled", False) and optimizer is not None:
         warnings.warn(
-            f"keras_fp8.convert: model '{model.name}' was compiled before "
-            "conversion; call `model.compile(...)` again before training, so "
-            "that the optimizer sees the new FP8 state variables.",
+            f"keras_fp8.{what}: model '{model.name}' was compiled before; call "
+            "`model.compile(...)` again before training, so that the "
+            f"optimizer sees {new_variables}.",
             stacklevel=3,
         )
 
@@ -208,19 +331,18 @@ def _retrack_torch_parameters(model):
     A torch-backend layer registers its variables (sublayers' included) as
     `torch.nn.Parameter`s once, after its build. A converted layer adds its
     new variables to its own dict, but its ancestors' snapshots predate them:
-    rebuild those, so that `model.parameters()` sees the FP8 state too.
+    rebuild those, so that `model.parameters()` sees the FP8 state too (or,
+    after `unconvert`, no longer holds it).
     """
     for layer in compat.sublayers(model):
         compat.retrack_torch_parameters(layer)
 
 
-def _convert_layer(layer, target, matmul_plan, recipe, min_gemm_size, policy):
-    # `__class__` assignment bypasses Layer.__setattr__ (the tracker and, on
-    # torch, nn.Module's registration) on purpose: it is not state.
-    object.__setattr__(layer, "__class__", target)
-    layer._init_fp8(recipe, min_gemm_size)
-    if matmul_plan is not None:
-        layer._plan = matmul_plan
+def _convert_layer(layer, recipe, min_gemm_size, policy):
+    einsum = isinstance(layer, keras.layers.EinsumDense)
+    swap.to_fp8(layer, recipe, min_gemm_size)
+    if einsum:
+        layer._plan = MatmulPlan(layer.equation, _input_ndim(layer))
     if policy is not None:
         # Before the state: its history length comes from the policy's recipe.
         layer.dtype_policy = policy
@@ -231,31 +353,10 @@ def _convert_layer(layer, target, matmul_plan, recipe, min_gemm_size, policy):
         layer._build_fp8_state()
 
 
-def _source_class(layer):
-    for source, _ in _CONVERSIONS:
-        if isinstance(layer, source):
-            return source
-    return None
-
-
-def _target_class(layer):
-    for source, target in _CONVERSIONS:
-        if isinstance(layer, source):
-            return target
-    return None
-
-
 def _input_ndim(layer):
+    """The rank of the input `layer` was built with (None: unknown)."""
     shape = compat.build_input_shape(layer)
-    if shape is None:
-        # MatmulPlan only needs the rank for an ellipsis equation.
-        if "..." in layer.equation:
-            raise ValueError(
-                "the input rank of its ellipsis equation "
-                f"{layer.equation!r} is unknown"
-            )
-        return len(layer.equation.partition(",")[0])
-    return len(shape)
+    return None if shape is None else len(shape)
 
 
 def _warn_skip(layer, reason):

@@ -93,18 +93,36 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 variable.assign(_retag(variable.value, old_scale, new_scale))
 
 
-def _computes_fp8_in_float16(model):
-    """Whether `model` (or a layer in it) runs FP8 layers in float16: its own
-    policy is an FP8 float16 policy, or an FP8 layer's is (`convert` with
-    `policy="fp8_hybrid_float16"` leaves the model's own policy as it was)."""
-    def fp8_float16(policy):
-        return isinstance(policy, policy_lib.FP8DTypePolicy) and policy.compute_dtype == "float16"
+def _policies(layer):
+    """The policies a layer's own policy holds: itself, or for a
+    `DTypePolicyMap` the one for the layer's path, its default and its
+    entries."""
+    policy = layer.dtype_policy
+    if not isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return [policy]
+    return [policy_lib.layer_policy(layer), policy.default_policy] + [policy[k] for k in policy]
 
-    if fp8_float16(model.dtype_policy):
-        return True
+
+def _computes_fp8_in_float16(model):
+    """Whether `model` (or a layer in it) runs under an FP8 float16 policy:
+    its own policy, a layer's (`convert` with `policy="fp8_hybrid_float16"`
+    leaves the model's own policy as it was), or an entry of a
+    `DTypePolicyMap` (as keras_hub models carry)."""
     return any(
-        hasattr(layer, "fp8_state_variables") and fp8_float16(layer.dtype_policy)
+        isinstance(policy, policy_lib.FP8DTypePolicy) and policy.compute_dtype == "float16"
         for layer in compat.sublayers(model)
+        for policy in _policies(layer)
+    )
+
+
+def _keras_would_scale(model):
+    """Whether Keras's own compile would wrap the optimizer: the model's
+    policy is `mixed_float16`, which a `DTypePolicyMap` that `convert` put
+    on the model (its default `mixed_float16`) hides from Keras."""
+    policy = model.dtype_policy
+    return (
+        isinstance(policy, keras.dtype_policies.DTypePolicyMap)
+        and policy.default_policy.name == "mixed_float16"
     )
 
 
@@ -114,7 +132,9 @@ def _with_fp8_loss_scaling(model, optimizer, auto_scale_loss):
     `"mixed_float16"`); Keras's own `LossScaleOptimizer` given by the user is
     re-wrapped with the same settings (it would not rescale the FP8 gradient
     state)."""
-    if not auto_scale_loss or not _computes_fp8_in_float16(model):
+    if not auto_scale_loss or not (
+        _computes_fp8_in_float16(model) or _keras_would_scale(model)
+    ):
         return optimizer
     optimizer = keras.optimizers.get(optimizer)
     if optimizer is None or isinstance(optimizer, LossScaleOptimizer):

@@ -11,21 +11,27 @@ policy name (`keras.mixed_precision.set_global_policy`, `Layer(dtype=...)`,
 | `fp8_e4m3`            | bfloat16 | float32   | E4M3 / E4M3          |
 | `fp8_e4m3_float16`    | float16  | float32   | E4M3 / E4M3          |
 
-Layers that are not FP8 layers run under an FP8 policy exactly as under
+Under an FP8 policy every `keras.layers.Dense` and `keras.layers.EinsumDense`
+becomes an FP8 layer when it builds (`keras_fp8/policy_layers.py`), unless the
+policy's `exclude` names it; every other layer runs exactly as under
 `mixed_bfloat16` (or `mixed_float16`): the policy's `quantization_mode` is
-None, so Keras never routes them to a quantized call.
+None, so Keras never routes a layer to a quantized call.
 
-Non-default recipe settings are part of the policy name, e.g.
-`"fp8_hybrid[history_len=16,amax_compute_algo=most_recent]"` or
-`"fp8_hybrid[scaling=current,margin=1.0]"`, because Keras rebuilds a
-deserialized policy from its name alone.
+Non-default settings are part of the policy name, e.g.
+`"fp8_hybrid[history_len=16,amax_compute_algo=most_recent]"`,
+`"fp8_hybrid[scaling=current,margin=1.0]"` or `"fp8_hybrid[exclude=logits]"`,
+because Keras rebuilds a deserialized policy from its name alone.
 """
+
+import re
 
 import keras
 from keras.saving import register_keras_serializable
 
 from keras_fp8 import compat
 from keras_fp8 import recipes
+
+_DTypePolicyMap = keras.dtype_policies.DTypePolicyMap
 
 # name -> (compute dtype, fp8_format)
 POLICY_NAMES = {
@@ -88,6 +94,7 @@ def _decode_name(name):
     kwargs = {}
     scaling = "delayed"
     min_gemm_size = None
+    exclude = None
     if settings:
         if not settings.endswith("]"):
             raise ValueError(
@@ -122,6 +129,9 @@ def _decode_name(name):
                     ) from None
                 recipes.check_min_gemm_size(min_gemm_size)
                 continue
+            if key == "exclude":
+                exclude = check_exclude(text.strip())
+                continue
             try:
                 kwargs[key] = _parse_value(key, text.strip())
             except ValueError:
@@ -140,7 +150,60 @@ def _decode_name(name):
         raise ValueError(
             f"Invalid settings in FP8 dtype policy name {name!r}: {e}"
         ) from None
-    return base, recipe, min_gemm_size
+    return base, recipe, min_gemm_size, exclude
+
+
+# Characters the name encoding uses around and between settings.
+_RESERVED = ",[]"
+
+
+def check_exclude(exclude):
+    """Validates an `exclude` pattern (None, or a regular expression).
+
+    Returns:
+        `exclude`, unchanged.
+
+    Raises:
+        ValueError: If it is not None or a non-empty string, holds one of the
+            name encoding's characters `,[]`, or is not a regular expression.
+    """
+    if exclude is None:
+        return None
+    if not isinstance(exclude, str) or not exclude:
+        raise ValueError(
+            "Invalid `exclude`: expected a regular expression (a non-empty "
+            f"string) or None. Received: exclude={exclude!r}"
+        )
+    bad = [c for c in _RESERVED if c in exclude]
+    if bad:
+        raise ValueError(
+            f"Invalid `exclude` {exclude!r}: it is encoded into the policy "
+            f"name, where {' '.join(repr(c) for c in _RESERVED)} separate "
+            "settings; write alternatives with '|' (e.g. 'head|logits') and "
+            "avoid character classes and {m,n} repeats."
+        )
+    try:
+        re.compile(exclude)
+    except re.error as e:
+        raise ValueError(
+            f"Invalid `exclude`: not a regular expression ({e}). "
+            f"Received: exclude={exclude!r}"
+        ) from None
+    return exclude
+
+
+def layer_policy(layer):
+    """The dtype policy `layer` runs under.
+
+    A `keras.dtype_policies.DTypePolicyMap` (as keras_hub models pass to
+    their layers) is resolved by the layer's path, as Keras resolves the
+    compute dtype; a map asked before the layer has a path answers with its
+    default policy.
+    """
+    policy = layer.dtype_policy
+    if isinstance(policy, _DTypePolicyMap):
+        return policy[layer.path] if layer.path else policy.default_policy
+    return policy
 
 
 @register_keras_serializable(package="keras_fp8")
@@ -159,10 +222,17 @@ class FP8DTypePolicy(keras.DTypePolicy):
         recipe: Optional `DelayedScaling` or `CurrentScaling`. Its
             `fp8_format` must agree with the name; its other settings are
             encoded into the policy's `name`.
-        min_gemm_size: Optional integer: on the compiled torch path, FP8
-            layers whose `M*N*K` is below it run their GEMMs in the compute
-            dtype (FP8 cannot win at small shapes) while still updating the
-            FP8 state. Encoded into the name as well.
+        min_gemm_size: Optional integer: FP8 layers whose `M*N*K` is below
+            it run exactly what their compute-dtype counterpart runs (FP8
+            cannot win at small shapes) and leave their FP8 state alone.
+            Encoded into the name as well.
+        exclude: Optional regular expression: a `keras.layers.Dense` or
+            `keras.layers.EinsumDense` whose path or name it matches
+            (`re.search`) stays a plain layer under this policy (computing in
+            the compute dtype, as under `mixed_bfloat16`), e.g. `"logits"`
+            for a classifier head. It does not reach explicit `FP8Dense` /
+            `FP8EinsumDense` layers. Encoded into the name as well, so it
+            is saved with the model; it may not hold `,`, `[` or `]`.
 
     Example:
 
@@ -172,15 +242,25 @@ class FP8DTypePolicy(keras.DTypePolicy):
     ...     "fp8_hybrid", recipe=keras_fp8.DelayedScaling(history_len=16))
     >>> policy.name
     'fp8_hybrid[history_len=16]'
+    >>> keras_fp8.FP8DTypePolicy("fp8_hybrid", exclude="logits").name
+    'fp8_hybrid[exclude=logits]'
     """
 
-    def __init__(self, name=None, recipe=None, min_gemm_size=None):
+    def __init__(self, name=None, recipe=None, min_gemm_size=None, exclude=None):
         if name is None:
             name = "fp8_hybrid"
-        base, name_recipe, name_min_gemm_size = _decode_name(name)
+        base, name_recipe, name_min_gemm_size, name_exclude = _decode_name(name)
         if min_gemm_size is None:
             min_gemm_size = name_min_gemm_size
         recipes.check_min_gemm_size(min_gemm_size)
+        exclude = check_exclude(exclude)
+        if exclude is not None and name_exclude not in (None, exclude):
+            raise ValueError(
+                f"Conflicting settings: the policy name {name!r} encodes "
+                f"exclude={name_exclude!r}, but exclude={exclude!r} was also "
+                "given."
+            )
+        exclude = exclude if exclude is not None else name_exclude
         if recipe is not None:
             recipe = recipes.get(recipe)
             if recipe.fp8_format != name_recipe.fp8_format:
@@ -189,7 +269,10 @@ class FP8DTypePolicy(keras.DTypePolicy):
                     f"match the policy {base!r} (fp8_format="
                     f"{name_recipe.fp8_format!r})."
                 )
-            if "[" in name and recipe != name_recipe:
+            name_has_recipe = name_recipe != recipes.DelayedScaling(
+                fp8_format=name_recipe.fp8_format
+            )
+            if name_has_recipe and recipe != name_recipe:
                 raise ValueError(
                     f"Conflicting settings: the policy name {name!r} encodes "
                     f"{name_recipe}, but recipe={recipe} was also given."
@@ -199,11 +282,15 @@ class FP8DTypePolicy(keras.DTypePolicy):
         self._base_name = base
         self._recipe = recipe
         self._min_gemm_size = min_gemm_size
-        settings = _encode_recipe(recipe)
+        self._exclude = exclude
+        self._exclude_pattern = re.compile(exclude) if exclude is not None else None
+        items = [_encode_recipe(recipe)[1:-1]]
         if min_gemm_size is not None:
-            extra = f"min_gemm_size={min_gemm_size}"
-            settings = f"[{settings[1:-1]},{extra}]" if settings else f"[{extra}]"
-        self._name = base + settings
+            items.append(f"min_gemm_size={min_gemm_size}")
+        if exclude is not None:
+            items.append(f"exclude={exclude}")
+        settings = ",".join(item for item in items if item)
+        self._name = base + (f"[{settings}]" if settings else "")
         self._compute_dtype = POLICY_NAMES[base][0]
         self._variable_dtype = "float32"
         self._quantization_mode = None
@@ -218,6 +305,19 @@ class FP8DTypePolicy(keras.DTypePolicy):
         """`M*N*K` below which compiled FP8 layers run their GEMMs in the
         compute dtype (None: the library default)."""
         return self._min_gemm_size
+
+    @property
+    def exclude(self):
+        """The regular expression naming the `Dense`/`EinsumDense` layers
+        that stay plain under this policy (None: none)."""
+        return self._exclude
+
+    def excludes(self, layer):
+        """Whether `exclude` matches `layer`'s path or name."""
+        if self._exclude_pattern is None:
+            return False
+        search = self._exclude_pattern.search
+        return bool(search(layer.path or "") or search(layer.name))
 
     @property
     def fp8_format(self):

@@ -176,20 +176,21 @@ class ConvertModelsTest(parameterized.TestCase):
 
 class ConvertTrainTest(parameterized.TestCase):
     def test_fit_under_global_fp8_policy(self):
-        # Built under the global FP8 policy: the Dense layers already carry
-        # it, so the converted layers run in FP8 without `policy=`.
+        # Built under the global FP8 policy, the Dense/EinsumDense layers are
+        # FP8 layers already (the policy alone): convert finds nothing to do.
         keras.mixed_precision.set_global_policy(_POLICY)
         keras.utils.set_random_seed(0)
         model, x = sequential()
-        converted = keras_fp8.convert(model, exclude="head")
-        self.assertLen(converted, 2)
+        self.assertEqual(keras_fp8.convert(model), [])
         body = model.get_layer("body")
+        self.assertIsInstance(body, FP8Dense)
+        self.assertIsInstance(model.get_layer("proj"), FP8EinsumDense)
         self.assertEqual(body.dtype_policy.name, _POLICY)
         self.assertEqual(tuple(body.input_amax_history.shape), (8,))
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
         x, y = x[:8], rng_normal((8, 4), 1)
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-        for name in ("body", "proj"):
+        for name in ("body", "proj", "head"):
             layer = model.get_layer(name)
             self.assertEqual(np.count_nonzero(to_numpy(layer.input_amax_history)), 2)
             # Step 1's gradient amax was folded by step 2's forward.

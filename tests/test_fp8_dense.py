@@ -223,7 +223,9 @@ class FP8DenseBehaviourTest(parameterized.TestCase):
         )
 
     def test_disabled_autocast_equals_dense(self):
-        dense = keras.layers.Dense(12, dtype="fp8_hybrid")
+        # (A Dense under fp8_hybrid would be an FP8 layer: the reference is
+        # the plain Dense of the same compute dtype.)
+        dense = keras.layers.Dense(12, dtype="mixed_bfloat16")
         fp8 = FP8Dense(12, dtype="fp8_hybrid")
         x = rng_normal((5, 20), 0)
         dense.build(x.shape)
@@ -296,10 +298,18 @@ class FP8DenseBadInputTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "axis -1|incompatible"):
             layer(np.ones((2, 5), "float32"))
 
-    def test_integer_input(self):
-        layer = FP8Dense(4, dtype="fp8_hybrid")
-        with self.assertRaisesRegex(ValueError, "floating-point inputs.*int32"):
-            layer(np.ones((2, 3), "int32"))
+    def test_integer_input_runs_as_dense_with_a_warning(self):
+        layer = FP8Dense(4, dtype="fp8_hybrid", name="int_in")
+        dense = keras.layers.Dense(4, dtype="mixed_bfloat16")
+        x = np.arange(6, dtype="int32").reshape(2, 3)
+        layer.build(x.shape)
+        dense.build(x.shape)
+        dense.set_weights(layer.get_weights()[:2])
+        with self.assertWarnsRegex(UserWarning, "'int_in'.*not in FP8.*floating-point.*int32"):
+            y = to_numpy(layer(x, training=True))
+        np.testing.assert_array_equal(y, to_numpy(dense(x)))
+        # The state did not advance.
+        self.assertEqual(np.count_nonzero(to_numpy(layer.input_amax_history)), 0)
 
     def test_bad_units(self):
         with self.assertRaisesRegex(ValueError, "units"):

@@ -151,21 +151,33 @@ class NonFP8LayersTest(parameterized.TestCase):
         ("subclassed", _Subclassed),
     )
     def test_runs_like_mixed_bfloat16(self, make_model):
+        # Dense/EinsumDense layers become FP8 layers under the policy; with
+        # their FP8 matmuls off (autocast(enabled=False): each computes
+        # exactly what Dense/EinsumDense does) or with every Dense/EinsumDense
+        # excluded, the model computes exactly what it does under
+        # mixed_bfloat16: every other layer runs as under mixed_bfloat16.
         x = np.random.default_rng(0).integers(0, 20, (4, 6)).astype("int32")
         outputs = {}
-        for policy in ["mixed_bfloat16", "fp8_hybrid"]:
+        for policy in ["mixed_bfloat16", "fp8_hybrid", "fp8_hybrid[exclude=.*]"]:
             keras.mixed_precision.set_global_policy(policy)
             keras.utils.set_random_seed(3)
             model = make_model()
-            outputs[policy] = to_numpy(model(x))
+            with keras_fp8.autocast(enabled=False):
+                outputs[policy] = to_numpy(model(x))
+            fp8_layers = [l for l in model._flatten_layers()
+                          if isinstance(l, (FP8Dense, keras_fp8.FP8EinsumDense))]
+            projections = [l for l in model._flatten_layers()
+                           if isinstance(l, (keras.layers.Dense, keras.layers.EinsumDense))]
+            self.assertLen(fp8_layers, len(projections) if policy == "fp8_hybrid" else 0)
             # Training works too (no crash, finite loss).
             model.compile(optimizer="sgd", loss="mse")
             y = np.zeros(outputs[policy].shape, "float32")
             loss = model.train_on_batch(x, y)
             self.assertTrue(np.isfinite(loss))
-        np.testing.assert_array_equal(
-            outputs["fp8_hybrid"], outputs["mixed_bfloat16"]
-        )
+        for policy in ["fp8_hybrid", "fp8_hybrid[exclude=.*]"]:
+            np.testing.assert_array_equal(
+                outputs[policy], outputs["mixed_bfloat16"], err_msg=policy
+            )
 
     def test_fp8_layers_beside_others(self):
         keras.mixed_precision.set_global_policy("fp8_hybrid")

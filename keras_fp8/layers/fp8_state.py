@@ -26,6 +26,7 @@ E5M2 gradient neither saturates nor underflows. Zero means "no loss scaling".
 
 import math
 import warnings
+import weakref
 
 from keras import ops
 from keras.saving import serialize_keras_object
@@ -58,6 +59,60 @@ PENDING_ONLY_MISSING_GRADIENTS = (
     r"\[('[^']*grad_amax_pending'(, )?)+\] when minimizing the loss"
 )
 warnings.filterwarnings("ignore", message=PENDING_ONLY_MISSING_GRADIENTS)
+
+# layer -> the reasons it was warned about (once each).
+_WARNED = weakref.WeakKeyDictionary()
+
+
+def warn_runs_without_fp8(layer, reason, what="runs"):
+    """Warns once per layer and reason that `layer` runs without FP8.
+
+    Args:
+        layer: The layer (named in the warning by its path, else its name).
+        reason: Why, e.g. "LoRA is enabled".
+        what: What the layer does instead, e.g. "runs" (this call) or "is
+            built as a plain layer".
+    """
+    reasons = _WARNED.setdefault(layer, set())
+    if reason in reasons:
+        return
+    reasons.add(reason)
+    name = layer.path or layer.name
+    warnings.warn(
+        f"keras_fp8: layer '{name}' ({type(layer).__name__}) {what} in "
+        f"{layer.compute_dtype}, not in FP8: {reason}.",
+        stacklevel=3,
+    )
+
+
+def quantize_error(layers, mode):
+    """The error Keras's `quantize(mode)` gets on FP8 layers or policies."""
+    names = ", ".join(f"'{l.path or l.name}'" for l in layers[:3])
+    more = f" and {len(layers) - 3} more" if len(layers) > 3 else ""
+    return ValueError(
+        f"Cannot quantize(mode={mode!r}): these layers are FP8 layers or run "
+        "under an FP8 dtype policy (keras_fp8), which Keras's quantization "
+        f"does not know: {names}{more}. Call `keras_fp8.unconvert(model)` "
+        "first (it returns FP8 layers to plain Dense/EinsumDense with the same "
+        "weights, and FP8 policies to their mixed-precision policies), then "
+        "`model.quantize(...)`."
+    )
+
+
+def state_layout(history_len):
+    """The shapes of the FP8 state variables, in checkpoint order."""
+    history = (history_len,)
+    return [(), history, (), history, (), history, (3,), (3,)]
+
+
+def is_fp8_checkpoint(store, own_count):
+    """Whether `store` holds `own_count` layer variables followed by the FP8
+    state (`STATE_VARIABLE_NAMES`, in their order and shapes)."""
+    if len(store.keys()) != own_count + len(STATE_VARIABLE_NAMES):
+        return False
+    shapes = [tuple(store[str(own_count + i)].shape) for i in range(len(STATE_VARIABLE_NAMES))]
+    history = shapes[1]
+    return len(history) == 1 and shapes == state_layout(history[0])
 
 
 class FP8StateMixin:
@@ -102,8 +157,9 @@ class FP8StateMixin:
         scope = current_autocast()
         if scope is not None and scope.enabled:
             return scope.recipe
-        if isinstance(self.dtype_policy, policy_lib.FP8DTypePolicy):
-            return self.dtype_policy.recipe
+        policy = policy_lib.layer_policy(self)
+        if isinstance(policy, policy_lib.FP8DTypePolicy):
+            return policy.recipe
         return recipes.DelayedScaling()
 
     def _build_fp8_state(self):
@@ -156,13 +212,14 @@ class FP8StateMixin:
         """The recipe for this call, or None when the layer runs without FP8.
 
         An active `autocast` scope decides first (its recipe wins); otherwise
-        the layer is FP8 when its dtype policy is an `FP8DTypePolicy`, using
-        the layer's own `recipe` if set, else the policy's.
+        the layer is FP8 when its dtype policy (resolved by its path in a
+        `DTypePolicyMap`) is an `FP8DTypePolicy`, using the layer's own
+        `recipe` if set, else the policy's.
         """
         scope = current_autocast()
         if scope is not None:
             return scope.recipe if scope.enabled else None
-        policy = self.dtype_policy
+        policy = policy_lib.layer_policy(self)
         if not isinstance(policy, policy_lib.FP8DTypePolicy):
             return None
         return self.recipe if self.recipe is not None else policy.recipe
@@ -171,7 +228,7 @@ class FP8StateMixin:
         """The layer's `min_gemm_size`, else its policy's (None: neither)."""
         if self.min_gemm_size is not None:
             return self.min_gemm_size
-        return getattr(self.dtype_policy, "min_gemm_size", None)
+        return getattr(policy_lib.layer_policy(self), "min_gemm_size", None)
 
     def _runs_compute_dtype(self, inputs):
         """Whether a call on `inputs` runs the compute-dtype layer: an empty
@@ -213,23 +270,30 @@ class FP8StateMixin:
         return y if capture is None else capture.record(self, x, y)
 
     def _fp8_call_recipe(self, inputs):
-        """The recipe of this call (None: run as the base layer), after
-        checking that an FP8 call can take `inputs`."""
+        """The recipe of this call (None: run as the base layer).
+
+        A call FP8 cannot take (LoRA enabled, inputs that are not floating
+        point) runs as the base layer, with a one-time warning naming the
+        layer; its FP8 state does not advance.
+        """
         recipe = self._fp8_recipe()
         if recipe is None or self._runs_compute_dtype(inputs):
             return None
         if self.lora_enabled:
-            raise NotImplementedError(
-                f"Layer '{self.name}': LoRA is not supported in FP8 mode."
-            )
+            warn_runs_without_fp8(self, "LoRA is enabled (FP8 layers do not support LoRA)")
+            return None
         dtype = ops.dtype(inputs) if hasattr(inputs, "dtype") else None
         if dtype is None or "float" not in str(dtype):
-            raise ValueError(
-                f"Layer '{self.name}' ({type(self).__name__}) computes in FP8 "
-                "and expects floating-point inputs. "
-                f"Received: inputs.dtype={dtype}"
+            warn_runs_without_fp8(
+                self, f"FP8 needs floating-point inputs, and these are {dtype}"
             )
+            return None
         return recipe
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Keras's quantization does not apply to FP8 layers: a ValueError
+        saying to `keras_fp8.unconvert` the model first."""
+        raise quantize_error([self], mode)
 
     # Saving: Keras's Dense/EinsumDense save only their own kernel and bias,
     # so the FP8 state follows them, in STATE_VARIABLE_NAMES order.
@@ -246,15 +310,39 @@ class FP8StateMixin:
             store[str(start + i)] = variable
 
     def load_own_variables(self, store):
+        """Loads an FP8 checkpoint of the layer, or one of its plain
+        `Dense`/`EinsumDense` form (kernel and bias only: the FP8 state is
+        then reset to a fresh layer's)."""
         if not self.built:
             return
-        compat.check_load_own_variables(self, store)
+        start = self._own_variable_count()
+        count = len(store.keys())
+        if count not in (start, start + len(STATE_VARIABLE_NAMES)):
+            compat.check_load_own_variables(self, store)  # Keras's error
+            raise ValueError(
+                f"Layer '{self.name}' expected {start} or "
+                f"{start + len(STATE_VARIABLE_NAMES)} variables, but received "
+                f"{count} variables during loading."
+            )
         self._kernel.assign(store["0"])
         if self.bias is not None:
             self.bias.assign(store["1"])
-        start = self._own_variable_count()
-        for i, variable in enumerate(self.fp8_state_variables):
-            variable.assign(store[str(start + i)])
+        if count == start:
+            self._reset_fp8_state()
+        else:
+            for i, variable in enumerate(self.fp8_state_variables):
+                variable.assign(store[str(start + i)])
+        if self.lora_enabled:
+            # As Keras's Dense: the saved kernel has the LoRA update merged.
+            self.lora_kernel_a.assign(ops.zeros(self.lora_kernel_a.shape))
+            self.lora_kernel_b.assign(ops.zeros(self.lora_kernel_b.shape))
+
+    def _reset_fp8_state(self):
+        """Sets the FP8 state to a freshly built layer's (scales 1, the rest
+        0)."""
+        for name, variable in zip(STATE_VARIABLE_NAMES, self.fp8_state_variables):
+            fill = ops.ones if name.endswith("_scale") else ops.zeros
+            variable.assign(fill(variable.shape, "float32"))
 
     def get_config(self):
         config = super().get_config()
