@@ -65,9 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true")
     timing.add_process_arguments(p)
     args = p.parse_args(argv)
-    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
+    timing.check_choices(p, "--variants", args.variants.split(","), VARIANTS)
     bad = sorted(set(args.backends.split(",")) - {"torch", "jax"})
     if bad:
         p.error(f"--backends: expected torch and/or jax, got {bad}")
@@ -283,14 +281,7 @@ def tables(per_process, args=None):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.worker is not None or args.processes <= 0:
-        return timing.main_or_worker(__file__, argv, args, worker, tables)
-    per_process = timing.run_per_backend(__file__, argv, args, args.backends.split(","))
-    timing.write_json(args.json, per_process)
-    print(tables(per_process, args))
-    return per_process
+    return timing.main(__file__, argv, parse_args, worker, tables, backends=True)
 
 
 if __name__ == "__main__":

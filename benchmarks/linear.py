@@ -87,9 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, one round: checks the code paths")
     timing.add_process_arguments(p)
     args = p.parse_args(argv)
-    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
+    timing.check_choices(p, "--variants", args.variants.split(","), VARIANTS)
     args.shape_list = parse_shapes(args.shapes) if args.shapes else (DRY_RUN_SHAPES if args.dry_run else SHAPES)
     if args.dry_run:
         args.rounds, args.iters, args.small_rounds, args.warmup = 1, 2, 2, 1
@@ -307,9 +305,7 @@ def tables(per_process, args=None):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    return timing.main_or_worker(__file__, argv, args, worker, tables)
+    return timing.main(__file__, argv, parse_args, worker, tables)
 
 
 if __name__ == "__main__":

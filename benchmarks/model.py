@@ -145,7 +145,8 @@ def shortcut_dense_class():
                 x = args[0]
                 if (type(x) is torch.Tensor and self.built and not self.use_bias and self.activation in
                         (None, keras.activations.linear) and not self.lora_enabled
-                        and x.dtype == getattr(torch, self.compute_dtype) and not compat.in_stateless_scope()
+                        and x.dtype == getattr(torch, self.compute_dtype) and x.device == self.kernel.value.device
+                        and not compat.in_stateless_scope()
                         and compat.keras_mask(x) is None and not torch.compiler.is_compiling()
                         and not self._forward_hooks and not self._forward_pre_hooks):
                     return torch.matmul(x, compat.raw_value(self.kernel).to(x.dtype))
@@ -162,7 +163,7 @@ def keras_model(args, policy, dense_cls):
 
     fp8 = policy != "mixed_bfloat16"
     proj = FP8Dense if fp8 else dense_cls
-    flash = {"auto": None, "flash": True, "xla": False}[args.attention]
+    flash = {"auto": None, "flash": True, "xla": False}[getattr(args, "attention", "auto")]
 
     class CausalSelfAttention(keras.layers.Layer):
         def __init__(self, **kwargs):
@@ -200,7 +201,7 @@ def keras_model(args, policy, dense_cls):
         model = keras.Model(tokens, logits)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    if args.loss == "flat":
+    if getattr(args, "loss", None) == "flat":
         def loss(y_true, y_pred):
             return keras.losses.sparse_categorical_crossentropy(
                 ops.reshape(y_true, (-1,)), ops.reshape(y_pred, (-1, args.vocab)), from_logits=True)
@@ -278,14 +279,11 @@ class KerasVariant:
 
 
 # --------------------------------------------------------------------------- plain PyTorch
-def torch_peer(args, kind):
-    """The decoder in plain PyTorch, its blocks compiled; `kind`:
-    "torch-bf16" or "torchao" (float8 tensorwise on the projections)."""
-    import torch
+def torch_decoder(args):
+    """The decoder of `keras_model` in plain PyTorch, float32 parameters
+    (the caller seeds, places and converts it)."""
     import torch.nn as nn
     import torch.nn.functional as F
-
-    torch.manual_seed(0)
 
     class Block(nn.Module):
         def __init__(self):
@@ -320,8 +318,17 @@ def torch_peer(args, kind):
                 h = block(h)
             return self.lm_head(self.norm(h))
 
+    return Decoder()
+
+
+def torch_peer(args, kind):
+    """The decoder in plain PyTorch, its blocks compiled; `kind`:
+    "torch-bf16" or "torchao" (float8 tensorwise on the projections)."""
+    import torch
+
+    torch.manual_seed(0)
     with torch.device("cuda"):  # initialized on the GPU: seconds, not minutes, for 1.2B parameters
-        model = Decoder()
+        model = torch_decoder(args)
     if kind == "torchao":
         from torchao.float8 import convert_to_float8_training
 
@@ -550,14 +557,7 @@ def tables(per_process, args=None):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.worker is not None or args.processes <= 0:
-        return timing.main_or_worker(__file__, argv, args, worker, tables)
-    per_process = timing.run_per_backend(__file__, argv, args, args.backends.split(","))
-    timing.write_json(args.json, per_process)
-    print(tables(per_process, args))
-    return per_process
+    return timing.main(__file__, argv, parse_args, worker, tables, backends=True)
 
 
 if __name__ == "__main__":

@@ -112,45 +112,13 @@ def report(result):
 
 # --------------------------------------------------------------------------- torch, FSDP2
 def torch_decoder(args):
+    """`benchmarks/model.py`'s decoder in plain PyTorch, seeded."""
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.n1, self.n2 = nn.RMSNorm(args.hidden), nn.RMSNorm(args.hidden)
-            self.qkv = nn.Linear(args.hidden, 3 * args.hidden, bias=False)
-            self.out = nn.Linear(args.hidden, args.hidden, bias=False)
-            self.gate = nn.Linear(args.hidden, args.mlp, bias=False)
-            self.up = nn.Linear(args.hidden, args.mlp, bias=False)
-            self.down = nn.Linear(args.mlp, args.hidden, bias=False)
-
-        def forward(self, h):
-            b, s, _ = h.shape
-            q, k, v = self.qkv(self.n1(h)).view(b, s, 3, args.heads, -1).unbind(2)
-            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True).transpose(1, 2).reshape(b, s, -1)
-            h = h + self.out(a)
-            m = self.n2(h)
-            return h + self.down(F.silu(self.gate(m)) * self.up(m))
-
-    class Decoder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(args.vocab, args.hidden)
-            self.blocks = nn.ModuleList(Block() for _ in range(args.blocks))
-            self.norm = nn.RMSNorm(args.hidden)
-            self.lm_head = nn.Linear(args.hidden, args.vocab, bias=False)
-
-        def forward(self, t):
-            h = self.embed(t)
-            for block in self.blocks:
-                h = block(h)
-            return self.lm_head(self.norm(h))
+    from benchmarks.model import torch_decoder as decoder
 
     torch.manual_seed(0)
-    return Decoder()
+    return decoder(args)
 
 
 class GatherCounter:
@@ -309,48 +277,13 @@ def run_torch(args):
 
 # --------------------------------------------------------------------------- Keras-JAX, DataParallel
 def keras_decoder(args, policy):
+    """`benchmarks/model.py`'s Keras decoder (FP8Dense projections under an
+    FP8 policy), compiled."""
     import keras
-    from keras import ops
 
-    from keras_fp8.layers import FP8Dense
+    from benchmarks.model import keras_model
 
-    dense = FP8Dense if policy.startswith("fp8") else keras.layers.Dense
-
-    class Attention(keras.layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.qkv = dense(3 * args.hidden, use_bias=False)
-            self.out = dense(args.hidden, use_bias=False)
-
-        def call(self, x):
-            b, s = ops.shape(x)[0], ops.shape(x)[1]
-            qkv = ops.reshape(self.qkv(x), (b, s, 3, args.heads, args.hidden // args.heads))
-            q, k, v = ops.unstack(qkv, axis=2)
-            return self.out(ops.reshape(ops.dot_product_attention(q, k, v, is_causal=True), (b, s, args.hidden)))
-
-    class SwiGLU(keras.layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.gate = dense(args.mlp, use_bias=False)
-            self.up = dense(args.mlp, use_bias=False)
-            self.down = dense(args.hidden, use_bias=False)
-
-        def call(self, x):
-            return self.down(ops.silu(self.gate(x)) * self.up(x))
-
-    keras.mixed_precision.set_global_policy(policy)
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((args.seq,), dtype="int32")
-    h = keras.layers.Embedding(args.vocab, args.hidden)(tokens)
-    for _ in range(args.blocks):
-        h = h + Attention()(keras.layers.RMSNormalization()(h))
-        h = h + SwiGLU()(keras.layers.RMSNormalization()(h))
-    h = keras.layers.RMSNormalization()(h)
-    logits = keras.layers.Dense(args.vocab, use_bias=False, dtype="mixed_bfloat16")(h)
-    model = keras.Model(tokens, logits)
-    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return keras_model(args, policy, keras.layers.Dense)
 
 
 def run_jax(args):

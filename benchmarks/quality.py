@@ -93,9 +93,7 @@ def parse_args(argv=None):
             setattr(args, key, value)
     args.size = size
     args.recipe_list = args.recipes.split(",")
-    unknown = sorted(set(args.recipe_list) - set(RECIPES))
-    if unknown:
-        p.error(f"--recipes: unknown {unknown}; expected some of {list(RECIPES)}")
+    timing.check_choices(p, "--recipes", args.recipe_list, RECIPES)
     if args.baseline_json and "bf16" in args.recipe_list:
         p.error("--baseline-json: leave bf16 out of --recipes (the file holds it)")
     if args.corpus not in ("docs", "stdlib"):

@@ -59,9 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true")
     timing.add_process_arguments(p)
     args = p.parse_args(argv)
-    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
+    timing.check_choices(p, "--variants", args.variants.split(","), VARIANTS)
     if args.shapes:
         try:
             args.shape_list = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -152,9 +150,7 @@ def tables(per_process, args=None):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    return timing.main_or_worker(__file__, argv, args, worker, tables)
+    return timing.main(__file__, argv, parse_args, worker, tables)
 
 
 if __name__ == "__main__":

@@ -402,6 +402,28 @@ def env_line(env: dict) -> str:
     return "; ".join(f"{k} {env[k]}" for k in keys if env.get(k))
 
 
+def check_choices(parser, flag, given, allowed):
+    """`parser.error` naming `flag` unless every name of `given` (a list)
+    is one of `allowed`."""
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown}; expected some of {list(allowed)}")
+
+
+def main(script, argv, parse_args, worker_fn, table_fn, backends=False):
+    """A script's `main`: `argv` (default `sys.argv[1:]`) parsed, then
+    `main_or_worker`; with `backends`, the parent runs its processes once
+    per backend of `--backends` (`run_per_backend`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if not backends or args.worker is not None or args.processes <= 0:
+        return main_or_worker(script, argv, args, worker_fn, table_fn)
+    per_process = run_per_backend(script, argv, args, args.backends.split(","))
+    write_json(args.json, per_process)
+    print(table_fn(per_process, args))
+    return per_process
+
+
 def main_or_worker(script, argv, args, worker_fn, table_fn):
     """The scripts' common entry: a worker measures and prints records; the
     parent runs `args.processes` workers (or measures in-process for 0)

@@ -101,6 +101,21 @@ def gemm_rtol(emulated=1e-5):
     return 2e-2 if real_fp8_gemm() else emulated
 
 
+def assert_within_terms(got, want, abs_sum, out_rtol, msg=""):
+    """A block-scaled FP8 product against its reference, element by element:
+    within a fraction of the sum of the magnitudes of the element's terms
+    (`abs_sum`; 2**-11 where FP8 tensor cores accumulate, whose partial sums
+    over each 128-long stretch carry about 14 bits, 2**-16 where float32
+    does) plus `out_rtol * |want|` (the output roundings)."""
+    got, want, abs_sum = (np.asarray(a, dtype=np.float64) for a in (got, want, abs_sum))
+    assert got.shape == want.shape, (msg, got.shape, want.shape)
+    assert not np.isnan(got).any(), f"{msg}: NaN"
+    bound = (2.0**-11 if real_fp8_gemm() else 2.0**-16) * abs_sum + out_rtol * np.abs(want) + 1e-30
+    bad = np.abs(got - want) > bound
+    assert not bad.any(), (f"{msg}: {int(bad.sum())} of {want.size} elements beyond the bound; worst excess "
+                           f"{float((np.abs(got - want) / bound).max()):.3g}x")
+
+
 def rng_normal(shape, seed, scale=1.0):
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(
         "float32"

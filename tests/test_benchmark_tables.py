@@ -221,8 +221,8 @@ class ModelTest(parameterized.TestCase):
         cls = model.shortcut_dense_class()
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
         layer = cls(16, use_bias=False)
-        x = torch.randn(4, 8, dtype=torch.bfloat16)
         layer.build((None, 8))
+        x = torch.randn(4, 8, dtype=torch.bfloat16, device=layer.kernel.value.device)
         plain = layer(x)
         cls.enabled = True
         try:

@@ -194,7 +194,7 @@ def compute_dtype_call(x, weight, bias, min_gemm_size):
     dtype (a plain float tensor x of the weight's K, below
     ``min_gemm_size``), else None. The host path of small layers, kept as
     short as ``nn.Linear``'s."""
-    if type(x) is not torch.Tensor or x.dtype not in _FLOATS or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+    if type(x) is not torch.Tensor or x.dtype not in _FLOATS or x.dim() < 2 or x.shape[-1] != weight.shape[1]:
         return None
     if x.device != weight.device:
         return None
