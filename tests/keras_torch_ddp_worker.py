@@ -15,7 +15,6 @@ model stepping on the whole batch in one process from the same weights
 
 import datetime
 import os
-import socket
 import sys
 
 os.environ["KERAS_BACKEND"] = "torch"
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -110,12 +110,6 @@ def main(rank, port, out_dir):
     results = {recipe: run(rank, recipe) for recipe in ("delayed", "current")}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

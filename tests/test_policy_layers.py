@@ -23,6 +23,7 @@ import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from tests.backend_utils import rng_normal
+from tests.composite_layers import Block
 from tests.backend_utils import to_numpy
 from tests.backend_utils import train_call_with_grads
 from tests.keras_reference import layer_state
@@ -40,29 +41,6 @@ def _fp8_layers(model):
 
 def _projections(model):
     return [l for l in model._flatten_layers() if isinstance(l, _PROJECTIONS)]
-
-
-class Block(keras.layers.Layer):
-    """A custom layer that passes its dtype policy on to its sublayers (as
-    keras_hub's and Keras's own composite layers do)."""
-
-    def __init__(self, units=16, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.up = keras.layers.Dense(units, activation="relu", dtype=self.dtype_policy, name="up")
-        self.down = keras.layers.EinsumDense(
-            "abc,cd->abd", (None, units), bias_axes="d", dtype=self.dtype_policy, name="down"
-        )
-
-    def build(self, input_shape):
-        self.up.build(input_shape)
-        self.down.build(input_shape[:-1] + (self.units,))
-
-    def call(self, x):
-        return self.down(self.up(x))
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units}
 
 
 def _functional():

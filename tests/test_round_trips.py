@@ -28,6 +28,7 @@ from absl.testing import parameterized
 import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
+from tests.composite_layers import Block
 from tests.backend_utils import REPO
 from tests.backend_utils import rng_normal
 from tests.backend_utils import subprocess_env
@@ -38,30 +39,6 @@ pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
 
 _FP8 = (FP8Dense, FP8EinsumDense)
 POLICY = "fp8_hybrid[history_len=8,min_gemm_size=0]"
-
-
-@keras.saving.register_keras_serializable(package="keras_fp8_tests")
-class Block(keras.layers.Layer):
-    """A custom layer that builds its own sublayers and passes its dtype
-    policy on to them (as keras_hub's and Keras's composite layers do)."""
-
-    def __init__(self, units=16, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.up = keras.layers.Dense(units, activation="relu", dtype=self.dtype_policy, name="up")
-        self.down = keras.layers.EinsumDense(
-            "abc,cd->abd", (None, units), bias_axes="d", dtype=self.dtype_policy, name="down"
-        )
-
-    def build(self, input_shape):
-        self.up.build(input_shape)
-        self.down.build(tuple(input_shape[:-1]) + (self.units,))
-
-    def call(self, x, training=None):
-        return self.down(self.up(x, training=training), training=training)
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units}
 
 
 @keras.saving.register_keras_serializable(package="keras_fp8_tests")

@@ -16,7 +16,6 @@ them.
 
 import datetime
 import os
-import socket
 import sys
 
 import torch
@@ -28,6 +27,7 @@ import torch_ops  # noqa: E402
 from torch_ops import distributed as fp8_dist  # noqa: E402
 from torch_ops import fsdp as fp8_fsdp  # noqa: E402
 from torch_ops import gathered as fp8_gathered  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -167,12 +167,6 @@ def main(rank, port, out_dir):
         results[name] = run(rank, name, engine, options)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
