@@ -1,6 +1,7 @@
 """A composite test layer that builds its own Dense/EinsumDense sublayers and
 passes its dtype policy on to them, as keras_hub's and Keras's composite
-layers do (tests/test_policy_layers.py, tests/test_round_trips.py)."""
+layers do, and a Functional model around it (tests/test_policy_layers.py,
+tests/test_round_trips.py)."""
 
 import keras
 
@@ -27,3 +28,14 @@ class Block(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "units": self.units}
+
+
+def functional_model():
+    """Attention, a norm, a `Block`, pooling and a Dense head named "head"."""
+    inp = keras.Input((6, 16))
+    h = keras.layers.MultiHeadAttention(2, 8, name="mha")(inp, inp)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    h = Block(16, name="block")(h)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    out = keras.layers.Dense(4, name="head")(h)
+    return keras.Model(inp, out, name="func")

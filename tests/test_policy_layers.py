@@ -24,6 +24,7 @@ from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from tests.backend_utils import rng_normal
 from tests.composite_layers import Block
+from tests.composite_layers import functional_model
 from tests.backend_utils import to_numpy
 from tests.backend_utils import train_call_with_grads
 from tests.keras_reference import layer_state
@@ -44,13 +45,7 @@ def _projections(model):
 
 
 def _functional():
-    inp = keras.Input((6, 16))
-    h = keras.layers.MultiHeadAttention(2, 8, name="mha")(inp, inp)
-    h = keras.layers.LayerNormalization(name="norm")(h)
-    h = Block(16, name="block")(h)
-    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-    out = keras.layers.Dense(4, name="head")(h)
-    return keras.Model(inp, out, name="func")
+    return functional_model()
 
 
 class PolicyMakesFP8LayersTest(parameterized.TestCase):

@@ -29,6 +29,7 @@ import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from tests.composite_layers import Block
+from tests.composite_layers import functional_model
 from tests.backend_utils import REPO
 from tests.backend_utils import rng_normal
 from tests.backend_utils import subprocess_env
@@ -74,13 +75,7 @@ def sequential():
 
 
 def functional():
-    inp = keras.Input((6, 16))
-    h = keras.layers.MultiHeadAttention(2, 8, name="mha")(inp, inp)
-    h = keras.layers.LayerNormalization(name="norm")(h)
-    h = Block(16, name="block")(h)
-    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-    out = keras.layers.Dense(4, name="head")(h)
-    return keras.Model(inp, out, name="func")
+    return functional_model()
 
 
 def subclassed():

@@ -38,6 +38,20 @@ def ref_quantize(x, scale, dt, transpose=False):
     return q, qt, ref.amax(x)
 
 
+def _check_quantize(x, scale, dt, transpose):
+    """torch_ops.quantize on poisoned output memory: the reference's bytes
+    (and its transpose, or none) and amax."""
+    poison()
+    q, qt, amax = torch_ops.quantize(x, scale, dt, transpose=transpose)
+    rq, rqt, ramax = ref_quantize(x, scale, dt, transpose=transpose)
+    assert_same_fp8(q, rq)
+    if transpose:
+        assert_same_fp8(qt, rqt)
+    else:
+        assert qt is None
+    assert_same_f32(amax, ramax)
+
+
 def ref_delayed(x, h, s, dt, margin=0.0, amax_compute_algo="max", transpose=False, record=True):
     q, su, a = ref.quantize_delayed(x, h, s, dt, margin=margin, amax_compute_algo=amax_compute_algo, record=record)
     return q, (q.reshape(-1, x.shape[-1]).t().contiguous() if transpose else None), su, a
@@ -76,15 +90,7 @@ class QuantizeKernelTest(parameterized.TestCase):
             self.skipTest("covered by the other large-shape cases; keeps the run short")
         x = rand(shape, in_dtype, seed=hash((shape, str(in_dtype))) % 1000)
         scale = torch.tensor(0.173, device=DEV)
-        poison()
-        q, qt, amax = torch_ops.quantize(x, scale, dt, transpose=transpose)
-        rq, rqt, ramax = ref_quantize(x, scale, dt, transpose=transpose)
-        assert_same_fp8(q, rq)
-        if transpose:
-            assert_same_fp8(qt, rqt)
-        else:
-            self.assertIsNone(qt)
-        assert_same_f32(amax, ramax)
+        _check_quantize(x, scale, dt, transpose)
 
     @parameterized.product(
         # flat (no transpose), the tile kernels (ragged; 8-column aligned) and the lean kernels (64-multiples)
@@ -99,13 +105,7 @@ class QuantizeKernelTest(parameterized.TestCase):
         x = rand(shape, in_dtype, scale=magnitude, special=False, seed=3)
         for dt in (E4M3, E5M2):
             scale = ref.compute_scale(ref.amax(x), torch.ones((), device=DEV), dt)
-            poison()
-            q, qt, amax = torch_ops.quantize(x, scale, dt, transpose=transpose)
-            rq, rqt, ramax = ref_quantize(x, scale, dt, transpose=transpose)
-            assert_same_fp8(q, rq)
-            if transpose:
-                assert_same_fp8(qt, rqt)
-            assert_same_f32(amax, ramax)
+            _check_quantize(x, scale, dt, transpose)
 
     @parameterized.product(shape=[(96, 40), (256, 512)], magnitude=[1e-43, 1e-39, 1e-37, 1e30],
                            algo=["max", "most_recent"], margin=[0.0, 3.0])
