@@ -208,29 +208,34 @@ class FP8StateMixin:
         """The FP8 state variables, in checkpoint order."""
         return [getattr(self, name) for name in STATE_VARIABLE_NAMES]
 
-    def _fp8_recipe(self):
+    def _fp8_recipe(self, policy=None):
         """The recipe for this call, or None when the layer runs without FP8.
 
         An active `autocast` scope decides first (its recipe wins); otherwise
         the layer is FP8 when its dtype policy (resolved by its path in a
-        `DTypePolicyMap`) is an `FP8DTypePolicy`, using the layer's own
-        `recipe` if set, else the policy's.
+        `DTypePolicyMap`; `policy`, where the caller resolved it already) is
+        an `FP8DTypePolicy`, using the layer's own `recipe` if set, else the
+        policy's.
         """
         scope = current_autocast()
         if scope is not None:
             return scope.recipe if scope.enabled else None
-        policy = policy_lib.layer_policy(self)
+        if policy is None:
+            policy = policy_lib.layer_policy(self)
         if not isinstance(policy, policy_lib.FP8DTypePolicy):
             return None
         return self.recipe if self.recipe is not None else policy.recipe
 
-    def _min_gemm_size(self):
-        """The layer's `min_gemm_size`, else its policy's (None: neither)."""
+    def _min_gemm_size(self, policy=None):
+        """The layer's `min_gemm_size`, else its policy's (`policy`, where
+        the caller resolved it already; None: neither)."""
         if self.min_gemm_size is not None:
             return self.min_gemm_size
-        return getattr(policy_lib.layer_policy(self), "min_gemm_size", None)
+        if policy is None:
+            policy = policy_lib.layer_policy(self)
+        return getattr(policy, "min_gemm_size", None)
 
-    def _runs_compute_dtype(self, inputs):
+    def _runs_compute_dtype(self, inputs, policy=None):
         """Whether a call on `inputs` runs the compute-dtype layer: an empty
         matmul, or `M*N*K` below `min_gemm_size` (the layer's, its policy's,
         else the backend's default for where `inputs` lives)."""
@@ -242,7 +247,7 @@ class FP8StateMixin:
         size = math.prod(dims)
         if size == 0:
             return True
-        limit = self._min_gemm_size()
+        limit = self._min_gemm_size(policy)
         if limit is None:
             limit = backends.get().default_min_gemm_size(inputs)
         return size < limit
@@ -276,8 +281,10 @@ class FP8StateMixin:
         point) runs as the base layer, with a one-time warning naming the
         layer; its FP8 state does not advance.
         """
-        recipe = self._fp8_recipe()
-        if recipe is None or self._runs_compute_dtype(inputs):
+        # One lookup of the policy per call (a DTypePolicyMap matches paths).
+        policy = policy_lib.layer_policy(self)
+        recipe = self._fp8_recipe(policy)
+        if recipe is None or self._runs_compute_dtype(inputs, policy):
             return None
         if self.lora_enabled:
             warn_runs_without_fp8(self, "LoRA is enabled (FP8 layers do not support LoRA)")
