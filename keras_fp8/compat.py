@@ -23,8 +23,9 @@ The patches:
    (model zoos build theirs from these classes), their plain form must read
    an FP8 checkpoint, and a layer that became FP8 must refuse Keras's
    quantization clearly (Keras binds `quantize` per instance when the layer
-   is created, so the FP8 class's own refusal never runs for it). Keras's quantization hook (`quantization_mode`,
-   `quantized_build`, `quantized_call`) cannot carry it: a policy whose
+   is created, so the FP8 class's own refusal never runs for it). Keras's
+   quantization hook (`quantization_mode`, `quantized_build`,
+   `quantized_call`) cannot carry it: a policy whose
    `quantization_mode` is set sends every layer under it (LayerNormalization,
    Embedding, ...) to `quantized_call`, the modes are a closed list
    (`QUANTIZATION_MODES`) checked throughout Keras, and Keras's setter of a
