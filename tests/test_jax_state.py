@@ -122,3 +122,34 @@ def test_small_products_are_upcast(monkeypatch):
         "XLA_FLAGS", "--xla_gpu_gemm_rewrite_size_threshold=100000 --foo=1"
     )
     assert jax_backend.is_small_dot(256, 80, 96)
+
+
+def test_symbolic_batch_takes_the_fp8_path():
+    # Keras's shape inference on JAX traces a None batch as a symbol: a size
+    # comparison with it is inconclusive and must not be made.
+    from jax import export
+
+    from keras_fp8.backends import jax as jax_backend
+
+    (batch,) = export.symbolic_shape("b")
+    assert not jax_backend.is_small_dot(batch, 16, 8)
+    keras.mixed_precision.set_global_policy("fp8_hybrid")
+    inputs = keras.Input((6, 16))
+    outputs = keras_fp8.layers.FP8Dense(8, min_gemm_size=2**40)(inputs)
+    model = keras.Model(inputs, outputs)
+    assert model.output_shape == (None, 6, 8)
+    assert model(np.ones((2, 6, 16), "float32")).shape == (2, 6, 8)
+
+
+def test_operands_are_rounded_to_their_dtype_under_jit():
+    # XLA on a GPU may skip a float32 -> bfloat16 rounding inside a fusion;
+    # the amax must be the bfloat16 value's (7.3244 rounds to 7.3125).
+    import jax
+    import jax.numpy as jnp
+
+    from keras_fp8.backends import jax as jax_backend
+
+    def amax(x):
+        return jnp.max(jnp.abs(jax_backend._as_stored(x.astype(jnp.bfloat16)).astype(jnp.float32)))
+
+    assert float(jax.jit(amax)(jnp.array([1.0, -7.3244], jnp.float32))) == 7.3125

@@ -26,7 +26,8 @@ WORKER = os.path.join(REPO, "tests", "keras_distribution_worker.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("keras_distribution") / "results.json"
-    run_worker(WORKER, out, timeout=300, KERAS_BACKEND="jax",
+    # Eight virtual CPU devices, also where a GPU is present (JAX would pick it).
+    run_worker(WORKER, out, timeout=300, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
     with open(out) as f:
         return json.load(f)

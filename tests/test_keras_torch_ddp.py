@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
     out = tmp_path_factory.mktemp("keras_ddp")
-    run_worker(WORKER, out, timeout=300)
+    run_worker(WORKER, out, timeout=300, KERAS_TORCH_DEVICE="cpu")  # gloo on the CPU, also beside a GPU
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
 
 

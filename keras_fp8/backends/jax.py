@@ -13,6 +13,7 @@ the optimizer overwrites, and the next training forward folds it.
 """
 
 import functools
+import numbers
 import os
 
 import jax
@@ -71,7 +72,10 @@ SMALL_DOT_ELEMENTS = 16384
 
 def is_small_dot(m, k, n):
     """Whether an `(m, k) @ (k, n)` FP8 product runs upcast (see
-    `SMALL_DOT_ELEMENTS`)."""
+    `SMALL_DOT_ELEMENTS`). Symbolic sizes (Keras's shape inference) are
+    not small: the output spec is the same either way."""
+    if not all(isinstance(d, numbers.Integral) for d in (m, k, n)):
+        return False
     return m * k + k * n < max(SMALL_DOT_ELEMENTS, _rewrite_size_threshold())
 
 
@@ -96,6 +100,19 @@ def _matmul():
     return _xla_fp8_matmul if fp8_gemm_supported() else numerics.scaled_matmul
 
 
+def _as_stored(x):
+    """`x` rounded to its own dtype. XLA on a GPU may hand a 16-bit value
+    that a fusion computes in float32 on unrounded
+    (`xla_allow_excess_precision`, on by default); the amax and the
+    quantization must see the value the dtype holds, as every other path
+    does (docs/design.md, numerics)."""
+    dtype = jnp.dtype(x.dtype)
+    if dtype.itemsize >= 4 or not jnp.issubdtype(dtype, jnp.floating):
+        return x
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 # `bias` is a `(N,)` tensor where `has_bias`, else an unused placeholder.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
 def _fp8_matmul(x, kernel, bias, pending, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
@@ -115,6 +132,7 @@ def _fp8_matmul_fwd(x, kernel, bias, pending, x_scale, kernel_scale, grad_scale,
 
 
 def _fp8_matmul_bwd(recipe, has_bias, residuals, grad):
+    grad = _as_stored(grad)
     (x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, x_proto, kernel_proto,
      bias_proto) = residuals
     dx, dkernel, dpending = numerics.fp8_backward(
@@ -189,6 +207,7 @@ def _block_fp8_matmul_fwd(x, kernel, bias, pending, emit_token, recipe, has_bias
 
 
 def _block_fp8_matmul_bwd(recipe, has_bias, saved, grad):
+    grad = _as_stored(grad)
     residuals, emit_token, (x_proto, kernel_proto, bias_proto) = saved
     dx, dkernel, dpending = numerics.block_backward(grad, residuals, emit_token, recipe, x_proto.dtype,
                                                     kernel_proto.dtype, matmul=_block_matmul_impl())
@@ -228,6 +247,7 @@ def _operand_scale(layer, role, x, fmt, recipe, training):
 
 def fp8_matmul(layer, x, kernel, bias, recipe, training):
     """See `keras_fp8.backends`."""
+    x = _as_stored(x)
     if recipe.name == "block":
         return _block_matmul_call(layer, x, kernel, bias, recipe, training)
     x_scale = _operand_scale(layer, "input", x, recipe.forward_format, recipe, training)

@@ -25,6 +25,7 @@ E5M2 gradient neither saturates nor underflows. Zero means "no loss scaling".
 """
 
 import math
+import numbers
 import warnings
 import weakref
 
@@ -242,7 +243,9 @@ class FP8StateMixin:
         dims = self._gemm_dims(tuple(inputs.shape))
         # The last call's GEMM, for keras_fp8.summary.
         self._last_gemm_dims = dims
-        if dims is None or any(d is None for d in dims):
+        # An unknown or symbolic size (Keras's shape inference on JAX traces
+        # the batch as a symbol) takes the FP8 path: the output spec is the same.
+        if dims is None or not all(isinstance(d, numbers.Integral) for d in dims):
             return False
         size = math.prod(dims)
         if size == 0:
