@@ -419,8 +419,10 @@ def worker(args):
                 except ImportError:
                     problems[name] = "keras_fp8.callbacks.FP8Monitor not available"
                     continue
+            # The monitor's variant shares fp8_hybrid's model: its step memory is that one's (and the
+            # probe tensors the monitor holds between steps would blur it).
             variants[name] = KerasVariant(name, models[policy], shortcut_cls, torch_memory=cuda and args.memory
-                                          and backend == "torch")
+                                          and backend == "torch" and not name.endswith(MONITOR))
         except Exception as e:  # noqa: BLE001
             problems[name] = e
     peer_names = []
