@@ -1,10 +1,7 @@
 """Looking at a model's FP8 layers: `fp8_layers`, `summary`."""
 
-import math
-
 from keras import ops
 
-from keras_fp8 import backends
 from keras_fp8 import compat
 from keras_fp8 import recipes
 from keras_fp8.layers.fp8_state import ROLES
@@ -41,30 +38,6 @@ def describe_recipe(recipe):
     return " ".join(parts)
 
 
-def execution(layer):
-    """What the layer's last call ran, as `(runs, gemm, min_gemm_size)`.
-
-    `runs` is `"FP8"`, the compute dtype with the reason (`min_gemm_size`,
-    or FP8 off under the layer's policy), or `"not called"`; `gemm` the last
-    call's `(M, K, N)` (None before a call).
-    """
-    recipe = layer._fp8_recipe()
-    dims = getattr(layer, "_last_gemm_dims", None)
-    limit = layer._min_gemm_size()
-    if limit is None and layer.built:
-        limit = backends.get().default_min_gemm_size(compat.raw_value(layer._kernel))
-    if recipe is None:
-        return f"{layer.compute_dtype} (FP8 off)", dims, limit
-    if dims is None or any(d is None for d in dims):
-        return "not called", dims, limit
-    size = math.prod(dims)
-    if size == 0:
-        return f"{layer.compute_dtype} (empty)", dims, limit
-    if limit is not None and size < limit:
-        return f"{layer.compute_dtype} (< min_gemm_size)", dims, limit
-    return "FP8", dims, limit
-
-
 def _format_table(header, rows):
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     line = "  ".join(f"{h:<{w}}" for h, w in zip(header, widths))
@@ -95,7 +68,7 @@ def summary(model, print_fn=None):
     header += [f"{role}_scale" for role in ROLES]
     rows = []
     for name, layer in zip(layer_names(layers), layers):
-        runs, dims, limit = execution(layer)
+        runs, dims, limit = layer.fp8_execution()
         recipe = layer._fp8_recipe()
         kernel = "x".join(str(d) for d in layer._kernel.shape) if layer.built else "-"
         gemm = "-" if dims is None else "x".join("?" if d is None else str(d) for d in dims)

@@ -116,6 +116,15 @@ def is_fp8_checkpoint(store, own_count):
     return len(history) == 1 and shapes == state_layout(history[0])
 
 
+
+def _gemm_size(dims):
+    """`M*N*K` of a call's GEMM, or None where a size is not known: before a
+    call, or symbolic (Keras's shape inference on JAX traces the batch as a
+    symbol, which no comparison may touch)."""
+    if dims is None or not all(isinstance(d, numbers.Integral) for d in dims):
+        return None
+    return math.prod(dims)
+
 class FP8StateMixin:
     """Creates, resolves and updates the FP8 state of a layer.
 
@@ -241,19 +250,50 @@ class FP8StateMixin:
         matmul, or `M*N*K` below `min_gemm_size` (the layer's, its policy's,
         else the backend's default for where `inputs` lives)."""
         dims = self._gemm_dims(tuple(inputs.shape))
-        # The last call's GEMM, for keras_fp8.summary.
+        # The last call's GEMM, for `fp8_execution` (keras_fp8.summary).
         self._last_gemm_dims = dims
-        # An unknown or symbolic size (Keras's shape inference on JAX traces
-        # the batch as a symbol) takes the FP8 path: the output spec is the same.
-        if dims is None or not all(isinstance(d, numbers.Integral) for d in dims):
+        size = _gemm_size(dims)
+        if size is None:  # the output spec is the same either way
             return False
-        size = math.prod(dims)
         if size == 0:
             return True
         limit = self._min_gemm_size(policy)
         if limit is None:
             limit = backends.get().default_min_gemm_size(inputs)
         return size < limit
+
+    def active_recipe(self):
+        """The recipe a call would take now (an `autocast` scope's, the
+        layer's own or its policy's), else, where the layer runs without
+        FP8 now, the one its state was built for."""
+        return self._fp8_recipe() or self._build_time_recipe()
+
+    def fp8_execution(self):
+        """What the layer's last call ran.
+
+        Returns:
+            `(runs, gemm, min_gemm_size)`: `runs` is `"FP8"`, the compute
+            dtype with the reason (FP8 off under the layer's policy, an
+            empty matmul, below `min_gemm_size`), or `"not called"`; `gemm`
+            the last call's `(M, K, N)` (None before a call); the
+            `min_gemm_size` in effect (the layer's, its policy's, else the
+            backend's default for where the kernel lives; None before
+            `build`).
+        """
+        dims = getattr(self, "_last_gemm_dims", None)
+        limit = self._min_gemm_size()
+        if limit is None and self.built:
+            limit = backends.get().default_min_gemm_size(compat.raw_value(self._kernel))
+        if self._fp8_recipe() is None:
+            return f"{self.compute_dtype} (FP8 off)", dims, limit
+        size = _gemm_size(dims)
+        if size is None:
+            return "not called", dims, limit
+        if size == 0:
+            return f"{self.compute_dtype} (empty)", dims, limit
+        if limit is not None and size < limit:
+            return f"{self.compute_dtype} (< min_gemm_size)", dims, limit
+        return "FP8", dims, limit
 
     def _raw_value(self, variable):
         """The variable's value in its own dtype (no mixed-precision cast)."""
