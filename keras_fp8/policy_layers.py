@@ -97,17 +97,15 @@ def check_layer_quantize(layer, mode):
 def check_quantize(model, mode):
     """Raises before Keras's `model.quantize(mode)` changes anything when
     `model` holds FP8 layers or layers under FP8 policies."""
-    layers = compat.sublayers(model)
-    fp8 = [layer for layer in layers if isinstance(layer, swap.FP8_CLASSES)]
-    # Layers with weights of their own under FP8 policies (Keras would
-    # quantize them from a policy name it cannot parse).
-    fp8 += [
+    # FP8 layers, and layers with weights of their own under FP8 policies
+    # (Keras would quantize them from a policy name it cannot parse).
+    fp8 = [
         layer
-        for layer in layers
-        if layer not in fp8
-        and isinstance(policy_lib.layer_policy(layer), policy_lib.FP8DTypePolicy)
-        and layer.weights
-        and not compat.sublayers(layer, include_self=False)
+        for layer in compat.sublayers(model)
+        if isinstance(layer, swap.FP8_CLASSES)
+        or (isinstance(policy_lib.layer_policy(layer), policy_lib.FP8DTypePolicy)
+            and layer.weights
+            and not compat.sublayers(layer, include_self=False))
     ]
     if fp8:
         raise fp8_state.quantize_error(fp8, mode)

@@ -283,7 +283,7 @@ class KerasQuantizationTest(parameterized.TestCase):
             keras.layers.Dense(32, name="body"),
             keras.layers.Dense(4, name="head"),
         ])
-        with self.assertRaisesRegex(ValueError, r"quantize\(mode='int8'\).*FP8.*'sequential.*/body'.*/embed'.*keras_fp8.unconvert"):
+        with self.assertRaisesRegex(ValueError, r"quantize\(mode='int8'\).*FP8.*'sequential.*/embed'.*/body'.*keras_fp8.unconvert"):
             model.quantize("int8")
         self.assertTrue(all(l.quantization_mode is None for l in model.layers))
         with self.assertRaisesRegex(ValueError, "/body'.*unconvert"):
