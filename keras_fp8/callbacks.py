@@ -198,7 +198,7 @@ class FP8Monitor(keras.callbacks.Callback):
             self.latest = {}
             return {}
         captured = self._run_probe(model) if self._probe_batch is not None else {}
-        layer_recipes = tuple(layer.active_recipe() for _, layer in built)
+        layer_recipes = tuple(layer.active_recipe(or_built=True) for _, layer in built)
         if self._table_key != layer_recipes:
             self._table_key = layer_recipes
             self._table = backends.get().compile_function(_stats_table(layer_recipes))

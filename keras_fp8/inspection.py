@@ -69,7 +69,7 @@ def summary(model, print_fn=None):
     rows = []
     for name, layer in zip(layer_names(layers), layers):
         runs, dims, limit = layer.fp8_execution()
-        recipe = layer._fp8_recipe()
+        recipe = layer.active_recipe()
         kernel = "x".join(str(d) for d in layer._kernel.shape) if layer.built else "-"
         gemm = "-" if dims is None else "x".join("?" if d is None else str(d) for d in dims)
         scales = (

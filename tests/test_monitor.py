@@ -220,3 +220,19 @@ def test_summary_table():
     lines = []
     keras_fp8.summary(plain, print_fn=lines.append)
     assert "float32 (FP8 off)" in lines[0] and "not called" not in lines[0]
+
+
+def test_layers_say_what_they_run():
+    keras.mixed_precision.set_global_policy("float32")
+    layer = keras_fp8.layers.FP8Dense(2)
+    keras.Sequential([keras.Input((4,)), layer])
+    assert layer.active_recipe() is None  # FP8 off under a float policy
+    assert isinstance(layer.active_recipe(or_built=True), keras_fp8.DelayedScaling)
+    assert layer.fp8_execution()[0] == "float32 (FP8 off)"
+    keras.mixed_precision.set_global_policy("fp8_hybrid")
+    layer = keras_fp8.layers.FP8Dense(2, min_gemm_size=0)
+    model = keras.Sequential([keras.Input((4,)), layer])
+    assert layer.fp8_execution()[0] == "not called"
+    model(np.ones((3, 4), "float32"))
+    assert layer.fp8_execution() == ("FP8", (3, 4, 2), 0)
+    assert layer.active_recipe() == keras_fp8.DelayedScaling()

@@ -262,11 +262,12 @@ class FP8StateMixin:
             limit = backends.get().default_min_gemm_size(inputs)
         return size < limit
 
-    def active_recipe(self):
-        """The recipe a call would take now (an `autocast` scope's, the
-        layer's own or its policy's), else, where the layer runs without
-        FP8 now, the one its state was built for."""
-        return self._fp8_recipe() or self._build_time_recipe()
+    def active_recipe(self, or_built=False):
+        """The recipe a call would take now: an `autocast` scope's, else the
+        layer's own or its policy's; None where the layer runs without FP8
+        now (then, with `or_built`, the recipe its state was built for)."""
+        recipe = self._fp8_recipe()
+        return self._build_time_recipe() if recipe is None and or_built else recipe
 
     def fp8_execution(self):
         """What the layer's last call ran.
