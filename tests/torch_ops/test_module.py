@@ -134,6 +134,37 @@ class FP8LinearTest(parameterized.TestCase):
         for name, t in zip(STATE_NAMES, ref_state.tensors()):
             self.assertTrue(torch.equal(getattr(layer, name), t), name)
 
+    def test_the_kept_compute_dtype_decision_follows_changes(self):
+        """A call like the last compute-dtype one runs it again without
+        deciding anew; min_gemm_size, the settings or a cast decide anew."""
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(16, 8, device=DEV)
+        layer = torch_ops.FP8Linear.from_linear(lin, min_gemm_size=2**40, history_len=4)
+        x = torch.randn(4, 16, device=DEV)
+        for _ in range(2):
+            self.assertTrue(torch.equal(layer(x), lin(x)))
+        self.assertEqual(float(layer.input_amax_history.abs().max()), 0.0)  # nothing recorded
+        layer.min_gemm_size = 0
+        layer(x)
+        self.assertGreater(float(layer.input_amax_history[0]), 0.0)  # FP8 ran
+        layer.min_gemm_size = None
+        previous = torch_ops.set_settings(min_gemm_size=2**40)
+        try:
+            self.assertTrue(torch.equal(layer(x), lin(x)))
+            torch_ops.set_settings(min_gemm_size=0)
+            before = layer.input_amax_history.clone()
+            layer(x)
+            self.assertFalse(torch.equal(layer.input_amax_history, before))  # FP8 ran
+        finally:
+            torch_ops.set_settings(previous)
+        layer.min_gemm_size = 2**40
+        layer(x)
+        layer.to(torch.bfloat16)  # the same Parameters, now bfloat16
+        expected = torch.nn.functional.linear(x, layer.weight.float(), layer.bias.float())
+        self.assertTrue(torch.equal(layer(x), expected))  # the weight cast to x's dtype
+        xb = x.bfloat16()
+        self.assertTrue(torch.equal(layer(xb), torch.nn.functional.linear(xb, layer.weight, layer.bias)))
+
     def test_pickles_and_deep_copies_after_a_call(self):
         layer = torch_ops.FP8Linear(32, 16, device=DEV, history_len=4)
         x, gy = _data(8, 32, 16, 0, torch.float32)
