@@ -121,8 +121,11 @@ def _gemm_size(dims):
     """`M*N*K` of a call's GEMM, or None where a size is not known: before a
     call, or symbolic (Keras's shape inference on JAX traces the batch as a
     symbol, which no comparison may touch)."""
-    if dims is None or not all(isinstance(d, numbers.Integral) for d in dims):
+    if dims is None:
         return None
+    for d in dims:  # `type(d) is int` first: an ABC check per call costs host time
+        if type(d) is not int and not isinstance(d, numbers.Integral):
+            return None
     return math.prod(dims)
 
 class FP8StateMixin:
@@ -250,8 +253,9 @@ class FP8StateMixin:
         matmul, or `M*N*K` below `min_gemm_size` (the layer's, its policy's,
         else the backend's default for where `inputs` lives)."""
         dims = self._gemm_dims(tuple(inputs.shape))
-        # The last call's GEMM, for `fp8_execution` (keras_fp8.summary).
-        self._last_gemm_dims = dims
+        # The last call's GEMM, for `fp8_execution` (keras_fp8.summary); into
+        # the instance dict: Keras's attribute tracking costs host time per call.
+        self.__dict__["_last_gemm_dims"] = dims
         size = _gemm_size(dims)
         if size is None:  # the output spec is the same either way
             return False
