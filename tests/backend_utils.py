@@ -1,6 +1,8 @@
 """Backend-specific test helpers: gradients through a layer, tensors."""
 
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -139,3 +141,12 @@ def subprocess_env(**overrides):
         p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
     ]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **overrides)
+
+
+def run_under_other_backend(script, timeout=300, **env):
+    """Runs `python -c script` in this repository under the other Keras
+    backend (the environment of `subprocess_env`, plus `env`); fails the test
+    where it fails or runs past `timeout` seconds."""
+    other = "jax" if keras.backend.backend() == "torch" else "torch"
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO, timeout=timeout,
+                   env=subprocess_env(KERAS_BACKEND=other, **env))

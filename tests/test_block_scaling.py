@@ -4,8 +4,6 @@ the state it keeps, policy names, `.keras` files, and the JAX GPU kernels'
 CPU forms (Pallas in interpret mode, the scan of FP8 dots)."""
 
 import os
-import subprocess
-import sys
 import tempfile
 
 import keras
@@ -18,11 +16,10 @@ import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from tests import reference
-from tests.backend_utils import REPO
 from tests.backend_utils import assert_within_terms
 from tests.backend_utils import gemm_rtol
 from tests.backend_utils import rng_normal
-from tests.backend_utils import subprocess_env
+from tests.backend_utils import run_under_other_backend
 from tests.backend_utils import to_numpy
 from tests.backend_utils import train_call_with_grads
 
@@ -158,11 +155,9 @@ def predictions(policy, seed=0):
 
 def test_torch_and_jax_agree(tmp_path):
     policy = "fp8_e4m3[scaling=block]"
-    other = "jax" if keras.backend.backend() == "torch" else "torch"
     out = str(tmp_path / "y.npy")
     script = f"import numpy as np\nfrom tests.test_block_scaling import predictions\nnp.save({out!r}, predictions({policy!r}))\n"
-    subprocess.run([sys.executable, "-c", script], check=True, env=subprocess_env(KERAS_BACKEND=other), cwd=REPO,
-                   timeout=300)
+    run_under_other_backend(script)
     # The same bytes and scales on both backends; the matmuls differ in
     # summation order (and, on GPUs, in the tensor cores' partial sums), then
     # one bfloat16 rounding each.

@@ -6,15 +6,11 @@ pending gradient amax (the matmul results may differ in the last float32
 bits, which the state never sees here: the upstream gradient is given).
 """
 
-import subprocess
-import sys
 
-import keras
 import numpy as np
 
-from tests.backend_utils import REPO
 from tests.backend_utils import rng_normal
-from tests.backend_utils import subprocess_env
+from tests.backend_utils import run_under_other_backend
 from tests.backend_utils import to_numpy
 from tests.backend_utils import train_call_with_grads
 
@@ -41,15 +37,13 @@ def run_steps(policy):
 
 def test_torch_and_jax_states_are_bit_identical(tmp_path):
     policy = "fp8_hybrid[history_len=8,margin=1.0]"
-    other = "jax" if keras.backend.backend() == "torch" else "torch"
     out = str(tmp_path / "state.npz")
     script = (
         "import numpy as np\n"
         "from tests.test_cross_backend_state import run_steps\n"
         f"np.savez({out!r}, **run_steps({policy!r}))\n"
     )
-    env = subprocess_env(KERAS_BACKEND=other, TORCH_OPS_DISABLE="0")
-    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO)
+    run_under_other_backend(script, TORCH_OPS_DISABLE="0")
     theirs = dict(np.load(out))
     ours = run_steps(policy)
     for name in _NAMES:

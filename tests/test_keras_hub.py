@@ -14,8 +14,6 @@ no downloads, no preprocessors).
 """
 
 import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 
@@ -26,8 +24,7 @@ import pytest
 import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
-from tests.backend_utils import REPO
-from tests.backend_utils import subprocess_env
+from tests.backend_utils import run_under_other_backend
 from tests.backend_utils import to_numpy
 
 keras_hub = pytest.importorskip("keras_hub")
@@ -252,7 +249,6 @@ def test_float16_policy_gets_keras_fp8_loss_scaling():
 
 def test_keras_file_from_the_other_backend():
     # (In CI this runs under both backends: both directions.)
-    other = "jax" if keras.backend.backend() == "torch" else "torch"
     workdir = tempfile.mkdtemp()
     script = (
         "import numpy as np, keras, keras_fp8\n"
@@ -266,8 +262,7 @@ def test_keras_file_from_the_other_backend():
         f"np.savez({os.path.join(workdir, 'values.npz')!r}, "
         "**{v.path: keras.ops.convert_to_numpy(v) for v in task.weights})\n"
     )
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO, timeout=300,
-                   env=subprocess_env(KERAS_BACKEND=other))
+    run_under_other_backend(script)
     keras.mixed_precision.set_global_policy("float32")
     loaded = keras.models.load_model(os.path.join(workdir, "gpt2.keras"), compile=False)
     assert len(fp8_layers(loaded)) == 12

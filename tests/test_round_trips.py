@@ -32,6 +32,7 @@ from tests.composite_layers import Block
 from tests.composite_layers import functional_model
 from tests.backend_utils import REPO
 from tests.backend_utils import rng_normal
+from tests.backend_utils import run_under_other_backend
 from tests.backend_utils import subprocess_env
 from tests.backend_utils import to_numpy
 
@@ -325,7 +326,6 @@ class UnconvertTest(parameterized.TestCase):
 class OtherBackendTest(parameterized.TestCase):
     def test_keras_file_from_the_other_backend(self):
         # (In CI this runs under both backends: both directions.)
-        other = "jax" if keras.backend.backend() == "torch" else "torch"
         workdir = tempfile.mkdtemp()
         script = (
             "import json, numpy as np, keras, keras_fp8\n"
@@ -339,8 +339,7 @@ class OtherBackendTest(parameterized.TestCase):
             f"np.save({os.path.join(workdir, 'pred.npy')!r}, "
             "predict(m, x))\n"
         )
-        env = subprocess_env(KERAS_BACKEND=other)
-        subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO, timeout=300)
+        run_under_other_backend(script)
 
         keras.mixed_precision.set_global_policy("float32")
         loaded = keras.models.load_model(os.path.join(workdir, "m.keras"), compile=False)

@@ -2,8 +2,6 @@
 
 import os
 import pytest
-import subprocess
-import sys
 import tempfile
 
 import keras
@@ -13,10 +11,9 @@ from absl.testing import parameterized
 import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
-from tests.backend_utils import REPO
 from tests.backend_utils import real_fp8_gemm
 from tests.backend_utils import rng_normal
-from tests.backend_utils import subprocess_env
+from tests.backend_utils import run_under_other_backend
 from tests.backend_utils import to_numpy
 
 
@@ -86,8 +83,6 @@ class SavingTest(parameterized.TestCase):
             np.testing.assert_array_equal(all_state(other)[name], value, err_msg=name)
 
     def test_model_saved_under_other_backend_loads_and_trains(self):
-        this = keras.backend.backend()
-        other = "jax" if this == "torch" else "torch"
         workdir = tempfile.mkdtemp()
         script = (
             "import numpy as np, keras, keras_fp8\n"
@@ -104,8 +99,7 @@ class SavingTest(parameterized.TestCase):
             f"np.save({os.path.join(workdir, 'pred.npy')!r}, "
             "np.asarray(m.predict(x, verbose=0)).astype(np.float32))\n"
         )
-        env = subprocess_env(KERAS_BACKEND=other)
-        subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO)
+        run_under_other_backend(script)
 
         keras.mixed_precision.set_global_policy("float32")
         # Keras serializes a torch optimizer under its torch-only module path,
