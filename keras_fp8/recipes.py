@@ -6,6 +6,8 @@ from the layers that use it (as in TransformerEngine), serializable with
 """
 
 import dataclasses
+import math
+import numbers
 
 from keras.saving import register_keras_serializable
 
@@ -69,6 +71,19 @@ def check_min_gemm_size(min_gemm_size):
             f"Received: min_gemm_size={min_gemm_size!r}"
         )
     return min_gemm_size
+
+
+def gemm_size(dims):
+    """`M*N*K` of a GEMM's `dims` `(M, K, N)`, or None where a size is not
+    known: no call yet, or a symbol (Keras's shape inference on JAX traces
+    the batch as one, which no comparison may touch). A call of unknown
+    size takes the FP8 path: its output spec is the same either way."""
+    if dims is None:
+        return None
+    for d in dims:  # `type(d) is int` first: an ABC check per call costs host time
+        if type(d) is not int and not isinstance(d, numbers.Integral):
+            return None
+    return math.prod(dims)
 
 
 class Recipe:

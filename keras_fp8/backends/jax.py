@@ -13,7 +13,6 @@ the optimizer overwrites, and the next training forward folds it.
 """
 
 import functools
-import numbers
 import os
 
 import jax
@@ -22,6 +21,7 @@ from keras import ops
 
 from keras_fp8 import compat
 from keras_fp8 import numerics
+from keras_fp8 import recipes
 
 # Below this M*N*K an FP8 layer on a GPU with real FP8 GEMMs runs what the
 # compute-dtype layer runs (torch_ops's threshold, the same GEMM libraries
@@ -74,7 +74,7 @@ def is_small_dot(m, k, n):
     """Whether an `(m, k) @ (k, n)` FP8 product runs upcast (see
     `SMALL_DOT_ELEMENTS`). Symbolic sizes (Keras's shape inference) are
     not small: the output spec is the same either way."""
-    if not all(isinstance(d, numbers.Integral) for d in (m, k, n)):
+    if recipes.gemm_size((m, k, n)) is None:
         return False
     return m * k + k * n < max(SMALL_DOT_ELEMENTS, _rewrite_size_threshold())
 

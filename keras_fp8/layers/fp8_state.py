@@ -24,8 +24,6 @@ fold rescales the gradient history and scale by the same factor, so the next
 E5M2 gradient neither saturates nor underflows. Zero means "no loss scaling".
 """
 
-import math
-import numbers
 import warnings
 import weakref
 
@@ -115,18 +113,6 @@ def is_fp8_checkpoint(store, own_count):
     history = shapes[1]
     return len(history) == 1 and shapes == state_layout(history[0])
 
-
-
-def _gemm_size(dims):
-    """`M*N*K` of a call's GEMM, or None where a size is not known: before a
-    call, or symbolic (Keras's shape inference on JAX traces the batch as a
-    symbol, which no comparison may touch)."""
-    if dims is None:
-        return None
-    for d in dims:  # `type(d) is int` first: an ABC check per call costs host time
-        if type(d) is not int and not isinstance(d, numbers.Integral):
-            return None
-    return math.prod(dims)
 
 class FP8StateMixin:
     """Creates, resolves and updates the FP8 state of a layer.
@@ -256,7 +242,7 @@ class FP8StateMixin:
         # The last call's GEMM, for `fp8_execution` (keras_fp8.summary); into
         # the instance dict: Keras's attribute tracking costs host time per call.
         self.__dict__["_last_gemm_dims"] = dims
-        size = _gemm_size(dims)
+        size = recipes.gemm_size(dims)
         if size is None:  # the output spec is the same either way
             return False
         if size == 0:
@@ -291,7 +277,7 @@ class FP8StateMixin:
             limit = backends.get().default_min_gemm_size(compat.raw_value(self._kernel))
         if self._fp8_recipe() is None:
             return f"{self.compute_dtype} (FP8 off)", dims, limit
-        size = _gemm_size(dims)
+        size = recipes.gemm_size(dims)
         if size is None:
             return "not called", dims, limit
         if size == 0:
