@@ -236,3 +236,5 @@ def test_layers_say_what_they_run():
     model(np.ones((3, 4), "float32"))
     assert layer.fp8_execution() == ("FP8", (3, 4, 2), 0)
     assert layer.active_recipe() == keras_fp8.DelayedScaling()
+    with pytest.raises(TypeError, match="or_built: expected a bool, got 'yes'"):
+        layer.active_recipe(or_built="yes")

@@ -256,6 +256,8 @@ class FP8StateMixin:
         """The recipe a call would take now: an `autocast` scope's, else the
         layer's own or its policy's; None where the layer runs without FP8
         now (then, with `or_built`, the recipe its state was built for)."""
+        if not isinstance(or_built, bool):
+            raise TypeError(f"or_built: expected a bool, got {or_built!r}")
         recipe = self._fp8_recipe()
         return self._build_time_recipe() if recipe is None and or_built else recipe
 
