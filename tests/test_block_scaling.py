@@ -186,3 +186,27 @@ class JaxBlockKernelsTest(parameterized.TestCase):
         scan = jax_block.scan_block_matmul(a_q, a_s, b_q, b_s, jnp.float32, bias, b_tiles)
         for name, got in (("pallas", pallas), ("scan", scan)):
             assert_within_terms(got, want, abs_sum + np.abs(np.asarray(bias)), 2.0**-20, name)
+
+    def test_a_symbolic_batch_takes_the_scan_without_a_warning(self):
+        # Keras's shape inference traces the batch as a symbol; Triton takes
+        # no symbolic grid, so that trace gets the scan's shapes, silently,
+        # and the shape is not recorded as one the kernel failed for.
+        import warnings
+
+        import jax
+        import jax.numpy as jnp
+
+        from keras_fp8.backends import jax_block
+
+        (batch,) = jax.export.symbolic_shape("b")
+        a_q = jax.ShapeDtypeStruct((batch * 8, 256), jnp.float8_e4m3fn)
+        a_s = jax.ShapeDtypeStruct((batch * 8, 2), jnp.float32)
+        b_q = jax.ShapeDtypeStruct((256, 128), jnp.float8_e4m3fn)
+        b_s = jax.ShapeDtypeStruct((2, 1), jnp.float32)
+        failed = set(jax_block._PALLAS_FAILED)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = jax.eval_shape(
+                lambda *t: jax_block.gpu_block_matmul(*t, jnp.bfloat16), a_q, a_s, b_q, b_s)
+        self.assertEqual((out.shape[1], out.dtype), (128, jnp.bfloat16))
+        self.assertEqual(jax_block._PALLAS_FAILED, failed)

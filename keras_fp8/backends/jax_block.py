@@ -20,7 +20,8 @@ operand), so on an FP8 GPU two real FP8 paths exist, in order of preference
   writes and reads an `M x N` float32 partial).
 
 The first use of a shape on the GPU tries the Pallas kernel; a compile
-failure warns once and the shape runs the scan from then on.
+failure warns once and the shape runs the scan from then on. A symbolic
+size (Keras's shape inference) takes the scan without trying.
 """
 
 import functools
@@ -158,6 +159,11 @@ _PALLAS_FAILED = set()
 def gpu_block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_tiles=False):
     """The GPU's block-scaled matmul: the Pallas kernel where it compiles,
     else the scan (a one-time warning per shape)."""
+    if not all(type(d) is int for d in (*a_q.shape, *b_q.shape)):
+        # A symbolic size (Keras's shape inference traces the batch as a
+        # symbol): only the output's shape is wanted, and Triton takes no
+        # symbolic grid; the concrete shapes try the kernel when they come.
+        return scan_block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias, b_tiles)
     key = (a_q.shape, b_q.shape, str(a_q.dtype), str(b_q.dtype), bool(b_tiles))
     if key not in _PALLAS_FAILED:
         try:
