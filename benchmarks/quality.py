@@ -77,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma list of " + ",".join(RECIPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write the curves to this PNG")
-    p.add_argument("--json", default=None, help="write every number and curve to this file")
+    p.add_argument("--json", default=None, help="write every number and curve to this file (rewritten after each recipe)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds: a recipe is not started where less is left than the longest one took")
     p.add_argument("--dry-run", action="store_true", help="the tiny size")
@@ -410,16 +410,23 @@ def main(argv=None):
         if "bf16" in results and "error" not in results["bf16"] and name != "bf16" and "error" not in results[name]:
             summary.update(gaps(results[name], results["bf16"]))
         timing.emit({"recipe": name, **summary})
+        if args.json:  # after every recipe: a run cut short keeps the recipes that finished
+            save_json(args, env, tokens, source, results)
     print()
     print(table(results))
     if args.plot:
         plot(results, args, args.plot)
         print(f"\nplot: {args.plot}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "env": env, "tokens": tokens,
-                       "source": source, "results": results}, f, indent=1)
     return results
+
+
+def save_json(args, env, tokens, source, results):
+    """Writes every number and curve so far to `args.json` (replacing it whole)."""
+    tmp = args.json + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "env": env, "tokens": tokens,
+                   "source": source, "results": results}, f, indent=1)
+    os.replace(tmp, args.json)
 
 
 if __name__ == "__main__":

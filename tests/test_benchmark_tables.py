@@ -4,6 +4,7 @@ headers must be the ones docs/benchmarks.md shows."""
 
 import contextlib
 import io
+import json
 import math
 import os
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
+import keras_fp8  # noqa: F401 (registers the FP8 policies that test_arguments parses)
 from benchmarks import keras_layer
 from benchmarks import linear
 from benchmarks import model
@@ -281,6 +283,19 @@ class QualityTest(parameterized.TestCase):
         self.assertIn("| +0.50% |", rows[1])
         self.assertIn("| -1.00% |", rows[2])
         self.assertIn("n/a (error: ValueError: no block path)", rows[3])
+
+    def test_json_is_rewritten_whole_after_each_recipe(self):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            args = quality.parse_args(["--dry-run", "--json", os.path.join(d, "q.json")])
+            for results in ({"bf16": {"final_val": 2.0}}, {"bf16": {"final_val": 2.0}, "delayed": {"final_val": 2.1}}):
+                quality.save_json(args, {"gpu": "none"}, 10, "docs", results)
+                with open(args.json) as f:
+                    saved = json.load(f)
+                self.assertEqual(saved["results"], results)
+                self.assertEqual(saved["args"]["size"], "tiny")
+            self.assertEqual(os.listdir(d), ["q.json"])
 
     def test_plot(self):
         pytest.importorskip("matplotlib")
