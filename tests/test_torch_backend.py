@@ -208,6 +208,53 @@ class ComputeDtypeBelowMinGemmSizeTest(parameterized.TestCase):
         assert_same_state(layer, ref.state)
 
 
+class _TrainRun:
+    def __init__(self, layer, outputs, generic_calls, output_dtype):
+        self.layer, self.outputs = layer, outputs
+        self.generic_calls, self.output_dtype = generic_calls, output_dtype
+
+
+def _train_both_ways(make, shape, steps):
+    """`steps` training calls and backwards of a fresh `make()` layer (seed
+    0), once with the fast call and once without it, on the same inputs (in
+    the layer's compute dtype). Returns the two `_TrainRun`s; `outputs` holds
+    every step's y, dx, dkernel (and dbias), then the FP8 state."""
+    import torch
+
+    from keras_fp8.backends import torch as torch_backend
+
+    runs = []
+    for fast in (True, False):
+        keras.utils.set_random_seed(0)
+        layer = make()
+        layer.build(shape)
+        dtype = getattr(torch, layer.compute_dtype)
+        original = torch_backend.fast_layer_call
+        if not fast:
+            torch_backend.fast_layer_call = lambda *a: None
+        try:
+            with _FastCall() as dispatch:
+                outs = []
+                for step in range(steps):
+                    x = torch.tensor(rng_normal(shape, step), device=_device()).to(dtype).requires_grad_()
+                    y = layer(x, training=True)
+                    y.float().square().sum().backward()
+                    pending = layer.grad_amax_pending.value.grad
+                    if pending is not None:  # none below min_gemm_size
+                        layer.grad_amax_pending.assign(pending)
+                    outs += [to_numpy(y.detach().float()), to_numpy(x.grad.float()),
+                             to_numpy(layer._kernel.value.grad)]
+                    if layer.bias is not None:
+                        outs.append(to_numpy(layer.bias.value.grad))
+                    for v in layer.trainable_variables:
+                        v.value.grad = None
+        finally:
+            torch_backend.fast_layer_call = original
+        outs += [to_numpy(v) for v in layer.fp8_state_variables]
+        runs.append(_TrainRun(layer, outs, dispatch.generic_calls, str(y.dtype).removeprefix("torch.")))
+    return runs
+
+
 class FastCallTest(parameterized.TestCase):
     """The eager fast path of FP8 layers' `__call__` (torch backend)."""
 
@@ -231,36 +278,49 @@ class FastCallTest(parameterized.TestCase):
          (2, 8, 4, 8)),
     )
     def test_fast_path_equals_keras_call(self, make, shape):
-        from keras_fp8.backends import torch as torch_backend
-
-        results = []
-        for fast in (True, False):
-            keras.utils.set_random_seed(0)
-            layer = make()
-            layer.build(shape)
-            original = torch_backend.fast_layer_call
-            if not fast:
-                torch_backend.fast_layer_call = lambda *a: None
-            try:
-                with _FastCall() as dispatch:
-                    outs = []
-                    for step in range(3):
-                        x = self._bf16(shape, step).requires_grad_()
-                        y = layer(x, training=True)
-                        y.float().square().sum().backward()
-                        layer.grad_amax_pending.assign(layer.grad_amax_pending.value.grad)
-                        outs += [to_numpy(y.detach().float()), to_numpy(x.grad.float()),
-                                 to_numpy(layer._kernel.value.grad)]
-                        if layer.bias is not None:
-                            outs.append(to_numpy(layer.bias.value.grad))
-                        for v in layer.trainable_variables:
-                            v.value.grad = None
-                    self.assertEqual(dispatch.generic_calls, 0 if fast else 3)
-            finally:
-                torch_backend.fast_layer_call = original
-            results.append(outs + [to_numpy(v) for v in layer.fp8_state_variables])
-        for a, b in zip(*results):
+        fast, generic = _train_both_ways(make, shape, steps=3)
+        self.assertEqual((fast.generic_calls, generic.generic_calls), (0, 3))
+        for a, b in zip(fast.outputs, generic.outputs):
             np.testing.assert_array_equal(a, b)
+
+    @parameterized.named_parameters(
+        ("bias_relu_rank3", dict(activation="relu"), "fp8_hybrid", (2, 8, 32)),
+        ("no_bias", dict(use_bias=False), "fp8_hybrid", (16, 32)),
+        ("float16", {}, "fp8_hybrid_float16", (16, 32)),
+        ("float32_gelu", dict(activation="gelu"), "float32", (16, 32)),
+        ("empty_batch", {}, "fp8_hybrid", (0, 32)),
+        ("einsum_heads", dict(equation="abc,cde->abde", output_shape=(None, 4, 6), bias_axes="de"),
+         "fp8_hybrid", (2, 8, 32)),
+    )
+    def test_below_min_gemm_size_the_fast_path_equals_keras_call(self, kwargs, policy, shape):
+        # Below min_gemm_size the fast path runs Dense.call's compute-dtype
+        # matmul itself, on any device (no kernels needed): the same bits as
+        # the generic call, and the FP8 state does not move.
+        def make():
+            if "equation" in kwargs:
+                return FP8EinsumDense(dtype=policy, min_gemm_size=10**12, **kwargs)
+            return FP8Dense(24, dtype=policy, min_gemm_size=10**12, **kwargs)
+
+        keras.utils.set_random_seed(0)
+        fresh = make()
+        fresh.build(shape)
+        fast, generic = _train_both_ways(make, shape, steps=2)
+        self.assertEqual((fast.generic_calls, generic.generic_calls), (0, 2))
+        self.assertEqual(fast.output_dtype, fresh.compute_dtype)
+        for a, b in zip(fast.outputs, generic.outputs):
+            np.testing.assert_array_equal(a, b)
+        for run in (fast, generic):
+            for before, v in zip(fresh.fp8_state_variables, run.layer.fp8_state_variables):
+                np.testing.assert_array_equal(to_numpy(before), to_numpy(v))
+
+    def test_a_layer_without_autocast_takes_the_generic_path(self):
+        import torch
+
+        layer = FP8Dense(8, dtype="fp8_hybrid", min_gemm_size=10**12, autocast=False)
+        layer.build((4, 16))
+        with _FastCall() as dispatch:
+            layer(torch.ones(4, 16, dtype=torch.bfloat16, device=_device()))
+            self.assertEqual(dispatch.generic_calls, 1)
 
     def test_training_comes_from_the_outer_call(self):
         class Block(keras.layers.Layer):

@@ -100,25 +100,27 @@ def fast_layer_call(layer, args, kwargs):
 
     Keras's `Layer.__call__` costs about 0.4 ms of host time per call (argument
     binding, masks, scopes), more than the whole FP8 linear on a GPU. For the
-    one case that dominates eager training, a call with a plain CUDA tensor
-    already in the compute dtype, no mask, FP8 on and the compiled kernels
-    serving the device, this does what `__call__` would do and nothing else:
-    resolve `training` from the argument or the outer call (and pass it on to
-    later layers, as Keras does), enter the layer's autocast scope, and run
-    `layer.call`. Every other case returns None and goes through
+    one case that dominates eager training, a plain tensor already in the
+    compute dtype and no mask, where FP8 runs on the compiled kernels or the
+    call runs the compute dtype (below `min_gemm_size`), this does what
+    `__call__` would do and nothing else: resolve `training` from the
+    argument or the outer call (and pass it on to later layers, as Keras
+    does), enter the layer's autocast scope, and run `layer.call`. Every other case returns None and goes through
     `Layer.__call__`.
 
     A layer whose `call` is exactly the FP8 linear (`_fp8_call_is_linear`)
     goes one step further: the linear on the variables' own tensors (`x` of
-    any rank, bias fused), then the activation inside the autocast scope.
+    any rank, bias fused; below `min_gemm_size` the compute-dtype matmul
+    `Dense.call` runs), then the activation inside the autocast scope.
     """
     if len(args) != 1 or (kwargs and (len(kwargs) != 1 or "training" not in kwargs)):
         return None
     x = args[0]
-    if type(x) is not torch.Tensor or compat.keras_mask(x) is not None:
+    if type(x) is not torch.Tensor or not x.is_floating_point() or compat.keras_mask(x) is not None:
         return None
     if (
         not layer.built
+        or not layer.autocast
         or layer.activity_regularizer is not None
         or layer._forward_hooks
         or layer._forward_pre_hooks
@@ -126,11 +128,10 @@ def fast_layer_call(layer, args, kwargs):
         or x.dtype != getattr(torch, layer.input_dtype)
         or not layer._fast_call_accepts(x)
         or compat.distribution() is not None
-        or _kernels_for(x) is None
     ):
         return None
     recipe = layer._fp8_call_recipe(x)
-    if recipe is None:
+    if recipe is not None and _kernels_for(x) is None:
         return None
     context = compat.current_call_context()
     if "training" in kwargs:
@@ -140,7 +141,14 @@ def fast_layer_call(layer, args, kwargs):
     if context is not None:
         context.set_value("training", training)
     if layer._fp8_call_is_linear() and not compat.in_stateless_scope():
-        y = _linear_folded(layer, x, layer._kernel._value, layer.bias, recipe, training, _read_value)
+        if recipe is None:
+            if x.dtype == torch.float16 and x.device.type == "cpu":
+                # Keras's matmul computes float16 in float32 on a CPU.
+                with compat.autocast_scope(_autocast_dtype(layer)):
+                    return layer.call(x, training=training)
+            y = _compute_dtype_linear(layer, x)
+        else:
+            y = _linear_folded(layer, x, layer._kernel._value, layer.bias, recipe, training, _read_value)
         activation = layer.activation
         if activation is None or activation is _IDENTITY:
             return y
@@ -148,6 +156,17 @@ def fast_layer_call(layer, args, kwargs):
             return activation(y)
     with compat.autocast_scope(_autocast_dtype(layer)):
         return layer.call(x, training=training)
+
+
+def _compute_dtype_linear(layer, x):
+    """`Dense.call` in the compute dtype, as `Layer.__call__` runs it: the
+    kernel and bias autocast to the compute dtype (x's), `ops.matmul`, then
+    `ops.add` of the bias (tests/test_torch_backend.py checks it bit for
+    bit against the generic call)."""
+    y = torch.matmul(x, layer._kernel._value.to(x.dtype))
+    if layer.bias is not None:
+        y = y + layer.bias._value.to(x.dtype)
+    return y
 
 
 def _autocast_dtype(layer):
