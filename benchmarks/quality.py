@@ -85,7 +85,9 @@ def parse_args(argv=None):
                    help="take the bf16 run from this earlier --json file (same size and seed) instead of training "
                         "it again; bf16 must then be left out of --recipes")
     p.add_argument("--from-json", default=None,
-                   help="no training: the table (and --plot) from a file an earlier run wrote with --json")
+                   help="no training: the table (and --plot, and with --json one merged file) from files earlier "
+                        "runs of the same size and seed wrote with --json (comma-separated; a recipe in a later "
+                        "file replaces the same recipe of an earlier one)")
     args = p.parse_args(argv)
     size = "tiny" if args.dry_run else args.size
     for key, value in SIZES[size].items():
@@ -346,19 +348,45 @@ def plot(results, args, path, backend=None):
     plt.close(fig)
 
 
+# The arguments two runs must share for their recipes to be compared.
+SAME_RUN = ("hidden", "layers", "heads", "mlp", "seq", "batch", "steps", "eval_every", "warmup", "lr",
+            "val_windows", "corpus", "seed")
+
+
+def check_same_run(saved_args, args, flag, path):
+    """Exits naming `flag` and `path` where the saved run's size or seed differ from `args`."""
+    differ = [k for k in SAME_RUN if saved_args.get(k) != getattr(args, k)]
+    if differ:
+        raise SystemExit(f"{flag}: {path} was run with other {differ}")
+
+
 def from_json(args):
-    """The table (and the plot) of an earlier run's `--json` file."""
-    with open(args.from_json) as f:
-        saved = json.load(f)
-    for key, value in saved["args"].items():
-        if key not in ("plot", "json", "from_json"):
-            setattr(args, key, value)
-    print(f"# {timing.env_line(saved['env'])}; backend {saved['env'].get('backend')}")
-    print(f"# {saved['tokens']:,} training tokens; corpus {saved['source']}")
-    print(table(saved["results"]))
+    """The table (and the plot) of earlier runs' `--json` files, merged."""
+    paths = args.from_json.split(",")
+    results = {}
+    for i, path in enumerate(paths):
+        with open(path) as f:
+            saved = json.load(f)
+        if i == 0:
+            first = saved
+            for key, value in saved["args"].items():
+                if key not in ("plot", "json", "from_json"):
+                    setattr(args, key, value)
+        else:
+            check_same_run(saved["args"], args, "--from-json", path)
+        results.update(saved["results"])
+    order = [name for name in RECIPES if name in results]
+    results = {name: results[name] for name in order}
+    args.recipes = ",".join(order)
+    env, tokens, source = first["env"], first["tokens"], first["source"]
+    print(f"# {timing.env_line(env)}; backend {env.get('backend')}")
+    print(f"# {tokens:,} training tokens; corpus {source}")
+    print(table(results))
     if args.plot:
-        plot(saved["results"], args, args.plot, backend=saved["env"].get("backend"))
-    return saved["results"]
+        plot(results, args, args.plot, backend=env.get("backend"))
+    if args.json and len(paths) > 1:
+        save_json(args, env, tokens, source, results)
+    return results
 
 
 def main(argv=None):
@@ -383,11 +411,7 @@ def main(argv=None):
     if args.baseline_json:
         with open(args.baseline_json) as f:
             saved = json.load(f)
-        same = ("hidden", "layers", "heads", "mlp", "seq", "batch", "steps", "eval_every", "warmup", "lr",
-                "val_windows", "corpus", "seed")
-        differ = [k for k in same if saved["args"].get(k) != getattr(args, k)]
-        if differ:
-            raise SystemExit(f"--baseline-json: {args.baseline_json} was run with other {differ}")
+        check_same_run(saved["args"], args, "--baseline-json", args.baseline_json)
         results["bf16"] = saved["results"]["bf16"]
         print(f"bf16: from {args.baseline_json}", flush=True)
     start, longest = time.perf_counter(), 0.0

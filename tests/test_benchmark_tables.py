@@ -297,6 +297,31 @@ class QualityTest(parameterized.TestCase):
                 self.assertEqual(saved["args"]["size"], "tiny")
             self.assertEqual(os.listdir(d), ["q.json"])
 
+    def test_from_json_merges_runs_of_one_size_and_seed(self):
+        import tempfile
+
+        def result(v):
+            curve = [{"step": 0, "val": 5.5}, {"step": 3, "train": v, "val": v}]
+            return {"policy": "p", "curve": curve, "final_train": v, "final_val": v, "nonfinite": 0, "skipped": 0,
+                    "ms_per_step": 1.0}
+
+        with tempfile.TemporaryDirectory() as d:
+            a, b, c, merged = (os.path.join(d, n) for n in ("a.json", "b.json", "c.json", "m.json"))
+            args = quality.parse_args(["--dry-run", "--json", a])
+            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": result(2.0), "delayed": result(2.02)})
+            args.json = b
+            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": result(2.0), "block": result(2.01)})
+            args.json, args.seed = c, 1
+            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"current": result(2.0)})
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                results = quality.main(["--from-json", f"{b},{a}", "--json", merged])
+            self.assertEqual(list(results), ["bf16", "delayed", "block"])
+            self.assertIn("| +1.00% |", out.getvalue())  # delayed over bf16
+            with open(merged) as f:
+                self.assertEqual(json.load(f)["results"], results)
+            with self.assertRaisesRegex(SystemExit, "c.json was run with other \\['seed'\\]"):
+                quality.main(["--from-json", f"{a},{c}"])
+
     def test_plot(self):
         pytest.importorskip("matplotlib")
         import tempfile

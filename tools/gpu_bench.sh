@@ -5,11 +5,14 @@
 #
 #   bash tools/gpu_bench.sh LOG_DIR [PART...]
 #
-# PART (default: 1 2 3) on one H200, each group planned for one device call
+# PART (default: 1 2 3 4) on one H200, each group planned for one device call
 # of at most 600 s:
 #   1  build linear quantize layer small   (~9 min)
 #   2  build model                         (~7-8 min: torch + JAX, --monitor)
-#   3  quality                             (~4 min: the GPU size, JAX)
+#   3  quality: bf16, delayed, current     (~6 min: the GPU size, JAX)
+#   4  quality_block: block                (~4 min: bf16 from the committed
+#      benchmarks/results/quality_gpu.json; merge the two JSON files with
+#      `quality.py --from-json A,B --json benchmarks/results/quality_gpu.json`)
 # or the single parts by name. A run stops starting work SECONDS after it
 # began (default 570; GPU_BENCH_SECONDS=...): each part gets at most its own
 # limit and what is left, and passes it on as its scripts' --time-budget, so
@@ -19,12 +22,12 @@
 # holds wheels (Keras is not on the GPU image) they are installed into
 # /tmp/site first, as for tools/gpu_tests.sh. At most 8 files come back from
 # a device call: group 1 writes 7 (summary, build, linear, quantize, layer,
-# model_small; group 2: summary, build, model; group 3: summary, quality and
-# its PNG and JSON).
+# model_small; group 2: summary, build, model; groups 3 and 4: summary, the
+# quality log and its JSON, and group 3's PNG).
 set -uo pipefail
 log_dir=${1:?usage: gpu_bench.sh LOG_DIR [PART...]}
 shift
-parts=${*:-1 2 3}
+parts=${*:-1 2 3 4}
 mkdir -p "$log_dir" && log_dir=$(cd "$log_dir" && pwd)
 cd "$(dirname "$0")/.." || exit 1
 deadline=$(( $(date +%s) + ${GPU_BENCH_SECONDS:-570} ))
@@ -71,11 +74,15 @@ part() {
         --peers none --time-budget @BUDGET@ --process-timeout 60 ;;
     model) run model 480 python3 benchmarks/model.py --processes 3 --backends torch,jax --monitor \
         --time-budget @BUDGET@ --process-timeout 170 ;;
-    quality) run quality 450 env KERAS_BACKEND=jax python3 benchmarks/quality.py --size gpu \
-        --time-budget @BUDGET@ --plot "$log_dir/quality_gpu.png" --json "$log_dir/quality_gpu.json" ;;
+    quality) run quality 560 env KERAS_BACKEND=jax python3 benchmarks/quality.py --size gpu \
+        --recipes bf16,delayed,current --time-budget @BUDGET@ --plot "$log_dir/quality_gpu.png" \
+        --json "$log_dir/quality_gpu.json" ;;
+    quality_block) run quality_block 560 env KERAS_BACKEND=jax python3 benchmarks/quality.py --size gpu \
+        --recipes block --baseline-json benchmarks/results/quality_gpu.json --json "$log_dir/quality_block.json" ;;
     1) part build; part linear; part quantize; part layer; part small ;;
     2) part build; part model ;;
     3) part quality ;;
+    4) part quality_block ;;
     *) echo "unknown part $1" | tee -a "$log_dir/summary.txt" ;;
   esac
 }
