@@ -219,6 +219,13 @@ def raw_value(variable):
         return variable.value
 
 
+def stored_value(variable):
+    """The tensor a variable holds (`Variable._value`), read without
+    `.value`'s scope checks (host time on the torch backend's per-call
+    path); only outside a stateless scope, where that tensor is the value."""
+    return variable._value
+
+
 def in_stateless_scope():
     """Whether a Keras stateless scope (e.g. `stateless_call`) is active."""
     return _in_stateless_scope()

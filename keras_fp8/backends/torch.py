@@ -43,10 +43,6 @@ def default_min_gemm_size(x):
     return torch_ops.get_settings().resolved_min_gemm_size(_kernels_for(x) is not None)
 
 
-def _read_value(variable):
-    return variable._value
-
-
 def _variable_reader():
     """How to read the layer's variables in this call, in their own dtype.
 
@@ -55,7 +51,7 @@ def _variable_reader():
     `.value`'s checks (host time). Inside one (e.g. `stateless_call`), the
     scope holds the values.
     """
-    return compat.raw_value if compat.in_stateless_scope() else _read_value
+    return compat.raw_value if compat.in_stateless_scope() else compat.stored_value
 
 
 def _linear_folded(layer, x, kernel, bias, recipe, training, value):
@@ -148,7 +144,8 @@ def fast_layer_call(layer, args, kwargs):
                     return layer.call(x, training=training)
             y = _compute_dtype_linear(layer, x)
         else:
-            y = _linear_folded(layer, x, layer._kernel._value, layer.bias, recipe, training, _read_value)
+            y = _linear_folded(layer, x, compat.stored_value(layer._kernel), layer.bias, recipe, training,
+                               compat.stored_value)
         activation = layer.activation
         if activation is None or activation is _IDENTITY:
             return y
@@ -163,9 +160,9 @@ def _compute_dtype_linear(layer, x):
     kernel and bias autocast to the compute dtype (x's), `ops.matmul`, then
     `ops.add` of the bias (tests/test_torch_backend.py checks it bit for
     bit against the generic call)."""
-    y = torch.matmul(x, layer._kernel._value.to(x.dtype))
+    y = torch.matmul(x, compat.stored_value(layer._kernel).to(x.dtype))
     if layer.bias is not None:
-        y = y + layer.bias._value.to(x.dtype)
+        y = y + compat.stored_value(layer.bias).to(x.dtype)
     return y
 
 
