@@ -16,7 +16,8 @@ backward of a random bf16 output gradient, giving dx and the kernel's
 gradient. torch: eager autograd (the FP8 layers' `fast_layer_call` path),
 each step synchronized (CUDA events). JAX: one jitted `stateless_call` +
 `jax.vjp` per step (the FP8 state threaded from step to step), timed to
-`block_until_ready`.
+`block_until_ready` of all its outputs (dx, the variables' gradients, the
+new state).
 
 Memory of one step: torch, `torch.cuda.max_memory_allocated()` during the
 step minus what was allocated before it (x, the gradient, the layers'
@@ -164,8 +165,11 @@ def _jax_steps(layers, m, k, n):
             return cache["exe"]
 
         def step(trainable=trainable, state=state, compiled=lazy_compiled):
+            # Every output, so that the timer waits for the whole step (a
+            # kernel gradient still computing would run into the next
+            # variant's sample).
             dt, dx, state[0] = compiled()(trainable, state[0], x, g)
-            return dx
+            return dt, dx, state[0]
 
         steps[v] = step
         compiled[v] = lazy_compiled
