@@ -152,9 +152,11 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
       // or the state's owner does).
       Q qg = quant(g2d, grad_hist, grad_scale, grad_fmt, scaling, mdiv, algo, need_dw,
                    record_grad && scaling == kDelayed, need_dx, dsink, &emit);
-      if (need_dx)
+      if (need_dx) {
         dx = fp8_gemm(qg.q, sd["qwb"].toTensor(), qg.scale_used, sd["sw"].toTensor(), c10::nullopt, x_dtype, false,
                       autotune);
+        qg.q.reset();  // the row-major copy is done: the weight gradient's GEMM runs without it (peak memory)
+      }
       if (need_dw) {
         const at::Tensor qxt = sd["qxt"].toTensor(), sx = sd["sx"].toTensor();
         dw = in_out ? fp8_gemm(qxt, qg.qt, sx, qg.scale_used, c10::nullopt, w_dtype, false, autotune)

@@ -263,6 +263,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         dx = dw = db = dsink = None
         if need_dx:
             dx = ops.gemm(qg, qw_bwd, sg, sw, None, x_dtype, False, autotune)
+        del qg  # the weight gradient's GEMM runs without the row-major copy (peak memory)
         if need_dw:
             dw = (ops.gemm(qxt, qgt, sx, sg, None, w_dtype, False, autotune) if in_out
                   else ops.gemm(qgt, qxt, sg, sx, None, w_dtype, False, autotune))
@@ -368,6 +369,7 @@ class _BlockLinearFunction(torch.autograd.Function):
         if need_dx:
             qg, sg = ops.quantize_tiles(g2d, grad_dt, False, margin, pow2)
             dx = ops.block_gemm(qg, sg, w_bwd, s_bwd, False, None, x_dtype)
+            del qg, sg  # freed before the weight gradient's operands are made (peak memory)
         if need_dw:
             qgt, sgt = ops.quantize_tiles(g2d, grad_dt, True, margin, pow2)  # g^T (N, M) in tiles along M
             dw = (ops.block_gemm(qxt, sxt, qgt, sgt, True, None, w_dtype) if in_out
