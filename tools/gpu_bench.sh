@@ -5,8 +5,7 @@
 #
 #   bash tools/gpu_bench.sh LOG_DIR [PART...]
 #
-# PART (default: 1 2 3 4) on one H200, each group planned for one device call
-# of at most 600 s:
+# PART (default: 1 2 3 4) on one H200, each group under ten minutes:
 #   1  build linear quantize layer small   (~9 min)
 #   2  build model                         (~7-8 min: torch + JAX, --monitor)
 #   3  quality: bf16, delayed, current     (~6 min: the GPU size, JAX)
@@ -19,11 +18,11 @@
 # a part cut short still prints its table from the processes that ran. The
 # compilation caches (kernels, inductor, XLA) live under /tmp: the second
 # and third process of a script reuse the first one's work. Where .whl/
-# holds wheels (Keras is not on the GPU image) they are installed into
-# /tmp/site first, as for tools/gpu_tests.sh. At most 8 files come back from
-# a device call: group 1 writes 7 (summary, build, linear, quantize, layer,
-# model_small; group 2: summary, build, model; groups 3 and 4: summary, the
-# quality log and its JSON, and group 3's PNG).
+# holds wheels (for a machine without Keras) they are installed into
+# /tmp/site first, as for tools/gpu_tests.sh. Each group writes at most 8
+# files: group 1 (summary, build, linear, quantize, layer, model_small),
+# group 2 (summary, build, model), groups 3 and 4 (summary, the quality log
+# and its JSON, and group 3's PNG).
 set -uo pipefail
 log_dir=${1:?usage: gpu_bench.sh LOG_DIR [PART...]}
 shift
