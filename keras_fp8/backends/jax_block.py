@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from keras_fp8 import numerics
+from keras_fp8 import recipes
 
 BLOCK = numerics.BLOCK
 # Output tile of one Pallas program.
@@ -159,7 +160,7 @@ _PALLAS_FAILED = set()
 def gpu_block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_tiles=False):
     """The GPU's block-scaled matmul: the Pallas kernel where it compiles,
     else the scan (a one-time warning per shape)."""
-    if not all(type(d) is int for d in (*a_q.shape, *b_q.shape)):
+    if recipes.gemm_size((*a_q.shape, b_q.shape[1])) is None:
         # A symbolic size (Keras's shape inference traces the batch as a
         # symbol): only the output's shape is wanted, and Triton takes no
         # symbolic grid; the concrete shapes try the kernel when they come.

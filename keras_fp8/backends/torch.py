@@ -101,8 +101,8 @@ def fast_layer_call(layer, args, kwargs):
     call runs the compute dtype (below `min_gemm_size`), this does what
     `__call__` would do and nothing else: resolve `training` from the
     argument or the outer call (and pass it on to later layers, as Keras
-    does), enter the layer's autocast scope, and run `layer.call`. Every other case returns None and goes through
-    `Layer.__call__`.
+    does), enter the layer's autocast scope, and run `layer.call`. Every
+    other case returns None and goes through `Layer.__call__`.
 
     A layer whose `call` is exactly the FP8 linear (`_fp8_call_is_linear`)
     goes one step further: the linear on the variables' own tensors (`x` of
@@ -136,12 +136,11 @@ def fast_layer_call(layer, args, kwargs):
         training = None if context is None else context.get_value("training")
     if context is not None:
         context.set_value("training", training)
-    if layer._fp8_call_is_linear() and not compat.in_stateless_scope():
+    # Below min_gemm_size a float16 x on a CPU goes to `layer.call`: Keras's
+    # matmul computes float16 in float32 there.
+    cpu_float16 = recipe is None and x.dtype == torch.float16 and x.device.type == "cpu"
+    if layer._fp8_call_is_linear() and not compat.in_stateless_scope() and not cpu_float16:
         if recipe is None:
-            if x.dtype == torch.float16 and x.device.type == "cpu":
-                # Keras's matmul computes float16 in float32 on a CPU.
-                with compat.autocast_scope(_autocast_dtype(layer)):
-                    return layer.call(x, training=training)
             y = _compute_dtype_linear(layer, x)
         else:
             y = _linear_folded(layer, x, compat.stored_value(layer._kernel), layer.bias, recipe, training,
