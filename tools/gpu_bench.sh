@@ -31,7 +31,7 @@ mkdir -p "$log_dir" && log_dir=$(cd "$log_dir" && pwd)
 cd "$(dirname "$0")/.." || exit 1
 deadline=$(( $(date +%s) + ${GPU_BENCH_SECONDS:-570} ))
 export PYTHONUNBUFFERED=1 TORCH_OPS_REQUIRE_KERNELS=1
-if ls .whl/*.whl > /dev/null 2>&1 && ! python3 -c "import keras" > /dev/null 2>&1; then
+if ls .whl/*.whl > /dev/null 2>&1 && ! KERAS_BACKEND=jax python3 -c "import keras" > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed" | tee -a "$log_dir/summary.txt"; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -12,7 +12,7 @@ part=${2:-all}
 mkdir -p "$log_dir" && log_dir=$(cd "$log_dir" && pwd)
 export PYTHONUNBUFFERED=1 TORCH_OPS_REQUIRE_KERNELS=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 cd "$(dirname "$0")/.." || exit 1
-if ls .whl/*.whl > /dev/null 2>&1 && ! python3 -c "import keras" > /dev/null 2>&1; then  # as tools/gpu_bench.sh
+if ls .whl/*.whl > /dev/null 2>&1 && ! KERAS_BACKEND=jax python3 -c "import keras" > /dev/null 2>&1; then  # as tools/gpu_bench.sh
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
