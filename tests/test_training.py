@@ -99,5 +99,7 @@ class AccuracyTest(parameterized.TestCase):
         print(f"\n{keras.backend.backend()}: fp8_hybrid {fp8:.4f}, "
               f"mixed_bfloat16 {bf16:.4f}")
         self.assertGreater(bf16, 0.9)
-        self.assertLessEqual(abs(fp8 - bf16), 0.01)
+        # FP8 may not lose more than a point; ahead of bf16 by a few of the
+        # 360 test digits is the runs' spread, not a fault.
+        self.assertGreaterEqual(fp8, bf16 - 0.01)
         print(demo.format_comparison(results))
