@@ -16,8 +16,8 @@ backward of a random bf16 output gradient, giving dx and the kernel's
 gradient. torch: eager autograd (the FP8 layers' `fast_layer_call` path),
 each step synchronized (CUDA events). JAX: one jitted `stateless_call` +
 `jax.vjp` per step (the FP8 state threaded from step to step), timed to
-`block_until_ready` of all its outputs (dx, the variables' gradients, the
-new state).
+`block_until_ready` of all its outputs (y, dx, the variables' gradients,
+the new state; without y among them XLA drops the forward product).
 
 Memory of one step: torch, `torch.cuda.max_memory_allocated()` during the
 step minus what was allocated before it (x, the gradient, the layers'
@@ -150,9 +150,10 @@ def _jax_steps(layers, m, k, n):
             def f(t, x):
                 return model.stateless_call(t, non_trainable, x, training=True)
 
-            _, vjp, new_nt = jax.vjp(f, trainable, x, has_aux=True)
+            y, vjp, new_nt = jax.vjp(f, trainable, x, has_aux=True)
             dt, dx = vjp(g)
-            return dt, dx, new_nt
+            # y is an output: XLA would drop an unused forward product.
+            return dt, dx, new_nt, y
 
         jitted = jax.jit(fwd_bwd)
         cache = {}
@@ -168,8 +169,8 @@ def _jax_steps(layers, m, k, n):
             # Every output, so that the timer waits for the whole step (a
             # kernel gradient still computing would run into the next
             # variant's sample).
-            dt, dx, state[0] = compiled()(trainable, state[0], x, g)
-            return dt, dx, state[0]
+            dt, dx, state[0], y = compiled()(trainable, state[0], x, g)
+            return dt, dx, state[0], y
 
         steps[v] = step
         compiled[v] = lazy_compiled

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import re
 
 import keras
 import numpy as np
@@ -180,6 +181,15 @@ class KerasLayerTest(parameterized.TestCase):
         self.assertIn("mem_gib", by_variant["fp8_delayed"] if keras.backend.backend() == "jax" else {"mem_gib": 0})
         self.assertIn("fp8_block", by_variant)
         self.assertEqual(by_variant["fp8_delayed"]["row"], f"{keras.backend.backend()} 64x128x256")
+
+    def test_jax_step_computes_the_forward_product(self):
+        # An unused y would let XLA drop the forward GEMM from the timed step.
+        if keras.backend.backend() != "jax":
+            self.skipTest("the JAX step")
+        layers = {"dense_bf16": keras_layer.make_layer("dense_bf16", 128, 256)}
+        _, compiled = keras_layer._jax_steps(layers, 64, 128, 256)
+        text = compiled["dense_bf16"]().as_text()
+        self.assertLen(re.findall(r"\bdot\(", text), 3)
 
 
 def _model_records(p):
