@@ -13,9 +13,10 @@ with given scales, then the three products y, dx and dkernel. The ways:
   bf16, then `* scale` in float32 and a second rounding;
 - `dequant_one`: the first operand dequantized to float32 with the product
   of the two scales (`q.astype(f32) * scale`), the second only converted,
-  and a `dot_general` with a bf16 result: the pattern XLA's GEMM rewriter
-  turns into one cuBLASLt FP8 GEMM with the scale as an operand scale (one
-  rounding, in the epilogue);
+  and a `dot_general` with a bf16 result: the dequantize-then-dot pattern
+  that XLA's GEMM rewriter can fold into one cuBLASLt FP8 GEMM taking the
+  scale as an operand scale (one rounding, in the epilogue); the custom
+  calls printed say whether the XLA at hand does;
 - `dequant_f32_hi`: both operands dequantized with their own scales, a
   float32 result cast to bf16;
 - `_hi`: the two backward products with `Precision.HIGHEST` (XLA then
