@@ -355,3 +355,23 @@ class QualityTest(parameterized.TestCase):
         self.assertLen(fp8, 5 * args.layers)
         self.assertEqual(m.optimizer.global_clipnorm, 1.0)
         keras.backend.clear_session()
+
+
+def test_jax_fp8_dot_probe_dry_run():
+    # tools/jax_fp8_dot_probe.py on the CPU at its tiny shape: every way
+    # compiles, is compared with the emulation and timed.
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                        "jax_fp8_dot_probe.py")
+    spec = importlib.util.spec_from_file_location("jax_fp8_dot_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert probe.main(["--dry-run", "--ways", "bf16,scale_after,dequant_f32"]) == 0
+    text = out.getvalue()
+    for way in ("bf16", "scale_after", "dequant_f32"):
+        assert f"64x128x256 {way}: custom calls" in text
+        assert re.search(rf"64x128x256 {way}: [0-9.]+ ms", text)
+    assert "once-rounded" in text

@@ -17,7 +17,7 @@ with given scales, then the three products y, dx and dkernel. The ways:
   that XLA's GEMM rewriter can fold into one cuBLASLt FP8 GEMM taking the
   scale as an operand scale (one rounding, in the epilogue); the custom
   calls printed say whether the XLA at hand does;
-- `dequant_f32_hi`: both operands dequantized with their own scales, a
+- `dequant_f32`: both operands dequantized with their own scales, a
   float32 result cast to bf16;
 - `_hi`: the two backward products with `Precision.HIGHEST` (XLA then
   turns cuBLASLt's fast FP8 accumulation off).
@@ -25,8 +25,8 @@ with given scales, then the three products y, dx and dkernel. The ways:
 Printed per way: ms per step (median of interleaved samples), the largest
 relative difference of y, dx and dkernel from the float32 emulation
 (upcast operands, accumulated in float32) and the fraction of elements
-equal to that rounded once to bf16, the custom calls
-of the optimized HLO (cuBLAS GEMM targets) and its number of fusions.
+equal to that rounded once to bf16, the custom calls of the optimized HLO
+(cuBLAS GEMM targets) and its number of fusions.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--hlo-dir", default=None, help="write each way's optimized HLO here")
-    p.add_argument("--ways", default="bf16,scale_after,scale_after_hi,dequant_one,dequant_one_hi,dequant_f32_hi")
+    p.add_argument("--ways", default="bf16,scale_after,scale_after_hi,dequant_one,dequant_one_hi,dequant_f32,dequant_f32_hi")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     text = args.shapes or ("64x128x256" if args.dry_run else "16384x4096x14336")
@@ -101,7 +101,8 @@ def main(argv=None):
 
     ways = {"bf16": bf16_step, "scale_after": fp8_step(scale_after),
             "scale_after_hi": fp8_step(scale_after, highest), "dequant_one": fp8_step(dequant_one),
-            "dequant_one_hi": fp8_step(dequant_one, highest), "dequant_f32_hi": fp8_step(dequant_f32, highest)}
+            "dequant_one_hi": fp8_step(dequant_one, highest), "dequant_f32": fp8_step(dequant_f32),
+            "dequant_f32_hi": fp8_step(dequant_f32, highest)}
     ways = {name: ways[name] for name in args.ways.split(",")}
     device = jax.devices()[0]
     print(f"# jax {jax.__version__}; device {device.device_kind} ({device.platform})", flush=True)
