@@ -2,6 +2,7 @@
 
     KERAS_BACKEND=jax python benchmarks/quality.py --size cpu --plot docs/quality_cpu.png
     KERAS_BACKEND=jax python benchmarks/quality.py --size gpu --plot $OUT/quality_gpu.png --json $OUT/quality_gpu.json
+    python benchmarks/quality.py --across-seeds seed0.json,seed1.json   # gaps per seed and their mean
 
 A small decoder LM (pre-norm blocks: causal self-attention and a SwiGLU MLP,
 learned positions, RMS norms; every projection an `FP8Dense`, the output
@@ -84,6 +85,10 @@ def parse_args(argv=None):
     p.add_argument("--baseline-json", default=None,
                    help="take the bf16 run from this earlier --json file (same size and seed) instead of training "
                         "it again; bf16 must then be left out of --recipes")
+    p.add_argument("--across-seeds", default=None,
+                   help="no training: per recipe, the final validation gap to bf16 at each seed and the mean over "
+                        "the seeds, from --json files of runs of one size at different seeds (comma-separated; each "
+                        "file holds its own seed's bf16)")
     p.add_argument("--from-json", default=None,
                    help="no training: the table (and --plot, and with --json one merged file) from files earlier "
                         "runs of the same size and seed wrote with --json (comma-separated; a recipe in a later "
@@ -96,6 +101,8 @@ def parse_args(argv=None):
     args.size = size
     args.recipe_list = args.recipes.split(",")
     timing.check_choices(p, "--recipes", args.recipe_list, RECIPES)
+    if args.from_json and args.across_seeds:
+        p.error("--from-json, --across-seeds: one at a time")
     if args.baseline_json and "bf16" in args.recipe_list:
         p.error("--baseline-json: leave bf16 out of --recipes (the file holds it)")
     if args.corpus not in ("docs", "stdlib"):
@@ -349,24 +356,74 @@ def plot(results, args, path, backend=None):
 
 
 # The arguments two runs must share for their recipes to be compared.
-SAME_RUN = ("hidden", "layers", "heads", "mlp", "seq", "batch", "steps", "eval_every", "warmup", "lr",
-            "val_windows", "corpus", "seed")
+SAME_SIZE = ("hidden", "layers", "heads", "mlp", "seq", "batch", "steps", "eval_every", "warmup", "lr",
+             "val_windows", "corpus")
+SAME_RUN = SAME_SIZE + ("seed",)
 
 
-def check_same_run(saved_args, args, flag, path):
-    """Exits naming `flag` and `path` where the saved run's size or seed differ from `args`."""
-    differ = [k for k in SAME_RUN if saved_args.get(k) != getattr(args, k)]
+def check_same_run(saved_args, args, flag, path, keys=SAME_RUN):
+    """Exits naming `flag` and `path` where the saved run's `keys` (size and
+    seed) differ from `args`."""
+    differ = [k for k in keys if saved_args.get(k) != getattr(args, k)]
     if differ:
         raise SystemExit(f"{flag}: {path} was run with other {differ}")
+
+
+SEEDS_HEADER_START = "| recipe | policy |"
+
+
+def seeds_table(runs):
+    """Per FP8 recipe: the final validation gap to the same seed's bf16 at
+    each seed, and their mean over the seeds where both ran. `runs` maps a
+    seed to its results."""
+    seeds = list(runs)
+    header = (SEEDS_HEADER_START + "".join(f" val gap, seed {s} |" for s in seeds)
+              + " mean val gap | seeds |")
+    out = [header, "|" + "---|" * (header.count("|") - 1)]
+    for name in RECIPES:
+        if name == "bf16" or not any(name in r for r in runs.values()):
+            continue
+        cells, values = [], []
+        for seed in seeds:
+            r, base = runs[seed].get(name), runs[seed].get("bf16")
+            if r is None or base is None or "error" in r or "error" in base:
+                cells.append("n/a")
+                continue
+            values.append(gaps(r, base)["gap_val"])
+            cells.append(f"{100 * values[-1]:+.2f}%")
+        mean = f"{100 * sum(values) / len(values):+.2f}%" if values else "n/a"
+        out.append(f"| {name} | `{RECIPES[name]}` | " + " | ".join(cells) + f" | {mean} | {len(values)} |")
+    return "\n".join(out)
+
+
+def across_seeds(args):
+    """The final validation gaps of runs of one size at several seeds."""
+    runs = {}
+    for i, path in enumerate(args.across_seeds.split(",")):
+        with open(path) as f:
+            saved = json.load(f)
+        if i == 0:
+            for key in SAME_SIZE:
+                setattr(args, key, saved["args"].get(key))
+        else:
+            check_same_run(saved["args"], args, "--across-seeds", path, keys=SAME_SIZE)
+        seed = saved["args"].get("seed")
+        if seed in runs:
+            raise SystemExit(f"--across-seeds: {path} repeats seed {seed}")
+        runs[seed] = saved["results"]
+    print(seeds_table(runs))
+    return runs
 
 
 def from_json(args):
     """The table (and the plot) of earlier runs' `--json` files, merged."""
     paths = args.from_json.split(",")
-    results = {}
+    results, notes = {}, []
     for i, path in enumerate(paths):
         with open(path) as f:
             saved = json.load(f)
+        if saved.get("note"):
+            notes.append(saved["note"])
         if i == 0:
             first = saved
             for key, value in saved["args"].items():
@@ -385,7 +442,7 @@ def from_json(args):
     if args.plot:
         plot(results, args, args.plot, backend=env.get("backend"))
     if args.json and len(paths) > 1:
-        save_json(args, env, tokens, source, results)
+        save_json(args, env, tokens, source, results, note="; ".join(notes) or None)
     return results
 
 
@@ -393,6 +450,8 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.from_json:
         return from_json(args)
+    if args.across_seeds:
+        return across_seeds(args)
     import keras
 
     import keras_fp8  # noqa: F401 (registers the FP8 policies)
@@ -444,12 +503,16 @@ def main(argv=None):
     return results
 
 
-def save_json(args, env, tokens, source, results):
-    """Writes every number and curve so far to `args.json` (replacing it whole)."""
+def save_json(args, env, tokens, source, results, note=None):
+    """Writes every number and curve so far to `args.json` (replacing it
+    whole), with `note` (how the runs were assembled) where given."""
     tmp = args.json + ".tmp"
+    saved = {"args": {k: v for k, v in vars(args).items()}, "env": env, "tokens": tokens, "source": source}
+    if note:
+        saved["note"] = note
+    saved["results"] = results
     with open(tmp, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "env": env, "tokens": tokens,
-                   "source": source, "results": results}, f, indent=1)
+        json.dump(saved, f, indent=1)
     os.replace(tmp, args.json)
 
 

@@ -332,6 +332,36 @@ class QualityTest(parameterized.TestCase):
             with self.assertRaisesRegex(SystemExit, "c.json was run with other \\['seed'\\]"):
                 quality.main(["--from-json", f"{a},{c}"])
 
+    def test_across_seeds_gives_each_seed_and_the_mean(self):
+        import tempfile
+
+        def result(v):
+            curve = [{"step": 0, "val": 5.5}, {"step": 3, "train": v, "val": v}]
+            return {"policy": "p", "curve": curve, "final_train": v, "final_val": v, "nonfinite": 0, "skipped": 0,
+                    "ms_per_step": 1.0}
+
+        with tempfile.TemporaryDirectory() as d:
+            a, b, c = (os.path.join(d, n) for n in ("a.json", "b.json", "c.json"))
+            args = quality.parse_args(["--dry-run", "--json", a])
+            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": result(2.0), "delayed": result(2.02),
+                                                                  "block": result(2.01)})
+            args.json, args.seed = b, 1
+            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": result(2.0), "delayed": result(1.98),
+                                                                  "current": result(2.0)})
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                quality.main(["--across-seeds", f"{a},{b}"])
+            rows = {r.split("|")[1].strip(): r for r in out.getvalue().splitlines()[2:]}
+            self.assertEqual(list(rows), ["delayed", "current", "block"])
+            self.assertIn("| +1.00% | -1.00% | +0.00% | 2 |", rows["delayed"])
+            self.assertIn("| n/a | +0.00% | +0.00% | 1 |", rows["current"])
+            self.assertIn("| +0.50% | n/a | +0.50% | 1 |", rows["block"])
+            with self.assertRaisesRegex(SystemExit, "repeats seed 0"):
+                quality.main(["--across-seeds", f"{a},{a}"])
+            args.json, args.seed, args.steps = c, 2, 9
+            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": result(2.0)})
+            with self.assertRaisesRegex(SystemExit, "c.json was run with other \\['steps'\\]"):
+                quality.main(["--across-seeds", f"{a},{c}"])
+
     def test_plot(self):
         pytest.importorskip("matplotlib")
         import tempfile
