@@ -245,6 +245,13 @@ class ModelTest(parameterized.TestCase):
         torch.testing.assert_close(fast, plain, rtol=0, atol=0)
 
 
+
+def _run_result(v):
+    """A quality run's result whose final (and only) evaluation reads v."""
+    curve = [{"step": 0, "val": 5.5}, {"step": 3, "train": v, "val": v}]
+    return {"policy": "p", "curve": curve, "final_train": v, "final_val": v, "nonfinite": 0, "skipped": 0,
+            "ms_per_step": 1.0}
+
 class QualityTest(parameterized.TestCase):
     def test_arguments(self):
         args = quality.parse_args(["--size", "cpu"])
@@ -310,19 +317,15 @@ class QualityTest(parameterized.TestCase):
     def test_from_json_merges_runs_of_one_size_and_seed(self):
         import tempfile
 
-        def result(v):
-            curve = [{"step": 0, "val": 5.5}, {"step": 3, "train": v, "val": v}]
-            return {"policy": "p", "curve": curve, "final_train": v, "final_val": v, "nonfinite": 0, "skipped": 0,
-                    "ms_per_step": 1.0}
-
         with tempfile.TemporaryDirectory() as d:
             a, b, c, merged = (os.path.join(d, n) for n in ("a.json", "b.json", "c.json", "m.json"))
             args = quality.parse_args(["--dry-run", "--json", a])
-            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": result(2.0), "delayed": result(2.02)})
+            quality.save_json(args, {"gpu": "none"}, 10, "docs",
+                              {"bf16": _run_result(2.0), "delayed": _run_result(2.02)})
             args.json = b
-            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": result(2.0), "block": result(2.01)})
+            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": _run_result(2.0), "block": _run_result(2.01)})
             args.json, args.seed = c, 1
-            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"current": result(2.0)})
+            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"current": _run_result(2.0)})
             with contextlib.redirect_stdout(io.StringIO()) as out:
                 results = quality.main(["--from-json", f"{b},{a}", "--json", merged])
             self.assertEqual(list(results), ["bf16", "delayed", "block"])
@@ -335,19 +338,14 @@ class QualityTest(parameterized.TestCase):
     def test_across_seeds_gives_each_seed_and_the_mean(self):
         import tempfile
 
-        def result(v):
-            curve = [{"step": 0, "val": 5.5}, {"step": 3, "train": v, "val": v}]
-            return {"policy": "p", "curve": curve, "final_train": v, "final_val": v, "nonfinite": 0, "skipped": 0,
-                    "ms_per_step": 1.0}
-
         with tempfile.TemporaryDirectory() as d:
             a, b, c = (os.path.join(d, n) for n in ("a.json", "b.json", "c.json"))
             args = quality.parse_args(["--dry-run", "--json", a])
-            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": result(2.0), "delayed": result(2.02),
-                                                                  "block": result(2.01)})
+            quality.save_json(args, {"gpu": "none"}, 10, "docs",
+                              {"bf16": _run_result(2.0), "delayed": _run_result(2.02), "block": _run_result(2.01)})
             args.json, args.seed = b, 1
-            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": result(2.0), "delayed": result(1.98),
-                                                                  "current": result(2.0)})
+            quality.save_json(args, {"gpu": "none"}, 10, "docs",
+                              {"bf16": _run_result(2.0), "delayed": _run_result(1.98), "current": _run_result(2.0)})
             with contextlib.redirect_stdout(io.StringIO()) as out:
                 quality.main(["--across-seeds", f"{a},{b}"])
             rows = {r.split("|")[1].strip(): r for r in out.getvalue().splitlines()[2:]}
@@ -358,7 +356,7 @@ class QualityTest(parameterized.TestCase):
             with self.assertRaisesRegex(SystemExit, "repeats seed 0"):
                 quality.main(["--across-seeds", f"{a},{a}"])
             args.json, args.seed, args.steps = c, 2, 9
-            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": result(2.0)})
+            quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": _run_result(2.0)})
             with self.assertRaisesRegex(SystemExit, "c.json was run with other \\['steps'\\]"):
                 quality.main(["--across-seeds", f"{a},{c}"])
 

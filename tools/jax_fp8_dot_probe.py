@@ -47,7 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--hlo-dir", default=None, help="write each way's optimized HLO here")
-    p.add_argument("--ways", default="bf16,scale_after,scale_after_hi,dequant_one,dequant_one_hi,dequant_f32,dequant_f32_hi")
+    p.add_argument("--ways", default="bf16,scale_after,scale_after_hi,dequant_one,dequant_one_hi,dequant_f32,"
+                                     "dequant_f32_hi")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     text = args.shapes or ("64x128x256" if args.dry_run else "16384x4096x14336")
