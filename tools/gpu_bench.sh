@@ -12,6 +12,9 @@
 #   4  quality_block: block                (~4 min: bf16 from the committed
 #      benchmarks/results/quality_gpu.json; merge the two JSON files with
 #      `quality.py --from-json A,B --json benchmarks/results/quality_gpu.json`)
+#   5  quality_seed1: bf16 and delayed at seed 1 (~5 min; their gaps beside
+#      seed 0's: `quality.py --across-seeds A,B`)
+#   6  probe: tools/jax_fp8_dot_probe.py, every way (~4 min)
 # or the single parts by name. A run stops starting work SECONDS after it
 # began (default 570; GPU_BENCH_SECONDS=...): each part gets at most its own
 # limit and what is left, and passes it on as its scripts' --time-budget, so
@@ -78,10 +81,15 @@ part() {
         --json "$log_dir/quality_gpu.json" ;;
     quality_block) run quality_block 560 env KERAS_BACKEND=jax python3 benchmarks/quality.py --size gpu \
         --recipes block --baseline-json benchmarks/results/quality_gpu.json --json "$log_dir/quality_block.json" ;;
+    quality_seed1) run quality_seed1 560 env KERAS_BACKEND=jax python3 benchmarks/quality.py --size gpu --seed 1 \
+        --recipes bf16,delayed --time-budget @BUDGET@ --json "$log_dir/quality_gpu_seed1.json" ;;
+    probe) run probe 240 python3 tools/jax_fp8_dot_probe.py --hlo-dir /tmp/jax_fp8_dot_hlo ;;
     1) part build; part linear; part quantize; part layer; part small ;;
     2) part build; part model ;;
     3) part quality ;;
     4) part quality_block ;;
+    5) part quality_seed1 ;;
+    6) part probe ;;
     *) echo "unknown part $1" | tee -a "$log_dir/summary.txt" ;;
   esac
 }
