@@ -355,6 +355,9 @@ class QualityTest(parameterized.TestCase):
             self.assertIn("| +0.50% | n/a | +0.50% | 1 |", rows["block"])
             with self.assertRaisesRegex(SystemExit, "repeats seed 0"):
                 quality.main(["--across-seeds", f"{a},{a}"])
+            with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
+                quality.parse_args(["--from-json", a, "--across-seeds", b])
+            self.assertIn("--from-json, --across-seeds: one at a time", err.getvalue())
             args.json, args.seed, args.steps = c, 2, 9
             quality.save_json(args, {"gpu": "none"}, 10, "docs", {"bf16": _run_result(2.0)})
             with self.assertRaisesRegex(SystemExit, "c.json was run with other \\['steps'\\]"):
@@ -386,20 +389,23 @@ class QualityTest(parameterized.TestCase):
 
 
 def test_jax_fp8_dot_probe_dry_run():
-    # tools/jax_fp8_dot_probe.py on the CPU at its tiny shape: every way
-    # compiles, is compared with the emulation and timed.
-    import importlib.util
+    # tools/jax_fp8_dot_probe.py on the CPU at its tiny shape (Keras on JAX, a
+    # process of its own): every way compiles, is compared with the emulation
+    # and timed.
+    import subprocess
+    import sys
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
-                        "jax_fp8_dot_probe.py")
-    spec = importlib.util.spec_from_file_location("jax_fp8_dot_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert probe.main(["--dry-run", "--ways", "bf16,scale_after,dequant_f32"]) == 0
-    text = out.getvalue()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, os.path.join(root, "tools", "jax_fp8_dot_probe.py"), "--dry-run",
+                           "--ways", "bf16,scale_after,dequant_f32"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
     for way in ("bf16", "scale_after", "dequant_f32"):
-        assert f"64x128x256 {way}: custom calls" in text
-        assert re.search(rf"64x128x256 {way}: [0-9.]+ ms", text)
-    assert "once-rounded" in text
+        assert f"64x128x256 {way}: custom calls" in done.stdout
+        assert re.search(rf"64x128x256 {way}: [0-9.]+ ms", done.stdout)
+    assert "once-rounded" in done.stdout
+    bad = subprocess.run([sys.executable, os.path.join(root, "tools", "jax_fp8_dot_probe.py"), "--ways", "fp4"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ways: expected names from" in bad.stderr

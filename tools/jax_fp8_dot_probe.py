@@ -6,7 +6,8 @@ way of writing it costs (one GPU with FP8 tensor cores).
 
 One step is a linear layer's forward and backward on bf16 data (x, kernel,
 output gradient): quantize x and the kernel (E4M3) and the gradient (E5M2)
-with given scales, then the three products y, dx and dkernel. The ways:
+with given scales (`keras_fp8.numerics`' quantize and scale rules, Keras on
+JAX), then the three products y, dx and dkernel. The ways:
 
 - `bf16`: the three products in bf16 (no FP8);
 - `scale_after`: FP8 operands straight into `dot_general`, the product in
@@ -38,7 +39,7 @@ import statistics
 import sys
 import time
 
-E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+WAYS = ("bf16", "scale_after", "scale_after_hi", "dequant_one", "dequant_one_hi", "dequant_f32", "dequant_f32_hi")
 
 
 def parse_args(argv=None):
@@ -47,10 +48,12 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--hlo-dir", default=None, help="write each way's optimized HLO here")
-    p.add_argument("--ways", default="bf16,scale_after,scale_after_hi,dequant_one,dequant_one_hi,dequant_f32,"
-                                     "dequant_f32_hi")
+    p.add_argument("--ways", default=",".join(WAYS), help="comma list of " + ",".join(WAYS))
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.ways.split(",")) - set(WAYS))
+    if unknown:
+        p.error(f"--ways: expected names from {','.join(WAYS)}, got {unknown}")
     text = args.shapes or ("64x128x256" if args.dry_run else "16384x4096x14336")
     args.shape_list = [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
     if args.dry_run:
@@ -60,15 +63,16 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    os.environ.setdefault("KERAS_BACKEND", "jax")
     import jax
     import jax.numpy as jnp
+    import keras
+
+    if keras.backend.backend() != "jax":
+        raise SystemExit(f"KERAS_BACKEND: expected jax, got {keras.backend.backend()}")
+    from keras_fp8 import numerics
 
     f32, bf16 = jnp.float32, jnp.bfloat16
-    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-
-    def quantize(x, scale, dtype, fmt_max):
-        y = x.astype(f32) * (1.0 / scale)
-        return jnp.clip(y, -fmt_max, fmt_max).astype(dtype)
 
     dims = (((1,), (0,)), ((), ()))
     highest = jax.lax.Precision.HIGHEST
@@ -91,8 +95,8 @@ def main(argv=None):
 
     def fp8_step(mm, backward_precision=None):
         def step(x, k, g, sx, sk, sg):
-            x_q, k_q = quantize(x, sx, e4m3, E4M3_MAX), quantize(k, sk, e4m3, E4M3_MAX)
-            g_q = quantize(g, sg, e5m2, E5M2_MAX)
+            x_q, k_q = numerics.quantize(x, sx, "e4m3"), numerics.quantize(k, sk, "e4m3")
+            g_q = numerics.quantize(g, sg, "e5m2")
             return (mm(x_q, k_q, sx, sk), mm(g_q, k_q.T, sg, sk, backward_precision),
                     mm(x_q.T, g_q, sx, sg, backward_precision))
         return step
@@ -112,8 +116,8 @@ def main(argv=None):
         x = jax.random.normal(keys[0], (m, k), bf16)
         w = (jax.random.normal(keys[1], (k, n), f32) * 0.02).astype(bf16)
         g = (jax.random.normal(keys[2], (m, n), f32) * 1e-3).astype(bf16)
-        sx, sk, sg = (jnp.max(jnp.abs(t.astype(f32))) / fmt for t, fmt in
-                      ((x, E4M3_MAX), (w, E4M3_MAX), (g, E5M2_MAX)))
+        sx, sk, sg = (numerics.compute_scale(numerics.compute_amax(t), jnp.float32(1.0), fmt)
+                      for t, fmt in ((x, "e4m3"), (w, "e4m3"), (g, "e5m2")))
         operands = (x, w, g, sx, sk, sg)
         ref = jax.jit(fp8_step(exact))(*operands)
         compiled = {}
