@@ -369,15 +369,12 @@ def check_same_run(saved_args, args, flag, path, keys=SAME_RUN):
         raise SystemExit(f"{flag}: {path} was run with other {differ}")
 
 
-SEEDS_HEADER_START = "| recipe | policy |"
-
-
 def seeds_table(runs):
     """Per FP8 recipe: the final validation gap to the same seed's bf16 at
     each seed, and their mean over the seeds where both ran. `runs` maps a
     seed to its results."""
     seeds = list(runs)
-    header = (SEEDS_HEADER_START + "".join(f" val gap, seed {s} |" for s in seeds)
+    header = ("| recipe | policy |" + "".join(f" val gap, seed {s} |" for s in seeds)
               + " mean val gap | seeds |")
     out = [header, "|" + "---|" * (header.count("|") - 1)]
     for name in RECIPES:

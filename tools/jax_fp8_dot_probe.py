@@ -150,11 +150,11 @@ def main(argv=None):
                     out = exe(*operands)
                 jax.block_until_ready(out)
                 samples[name].append((time.perf_counter() - t0) * 1e3 / args.iters)
-        base = statistics.median(samples["bf16"])
+        base = statistics.median(samples["bf16"]) if "bf16" in samples else None
         for name, s in samples.items():
             ms = statistics.median(s)
-            print(f"{m}x{k}x{n} {name}: {ms:.3f} ms [{min(s):.3f}-{max(s):.3f}], {base / ms:.2f}x of bf16",
-                  flush=True)
+            ratio = f", {base / ms:.2f}x of bf16" if base else ""
+            print(f"{m}x{k}x{n} {name}: {ms:.3f} ms [{min(s):.3f}-{max(s):.3f}]{ratio}", flush=True)
     return 0
 
 
