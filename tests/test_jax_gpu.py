@@ -95,6 +95,20 @@ def test_all_three_gemms_of_every_fp8_layer_are_fp8():
     assert not other, "GEMMs in bf16/f32 inside an FP8 model:\n" + "\n".join(other)
 
 
+def test_backward_gemms_accumulate_in_full():
+    # XLA turns cuBLASLt's fast FP8 accumulation on for an FP8 dot at the
+    # default precision; the backward's two products ask for HIGHEST (full
+    # accumulation, docs/design.md), the forward keeps the default.
+    keras.mixed_precision.set_global_policy("fp8_hybrid")
+    model = keras.Sequential([keras.Input((256,)), keras_fp8.layers.FP8Dense(512), keras_fp8.layers.FP8Dense(384)])
+    x = rng_normal((1024, 256), 0).astype("float32")
+    text, _ = _compiled_train_step_text(model, x, rng_normal((1024, 384), 1))
+    precisions = [re.search(r'"operand_precision":\[([^\]]*)\]', line).group(1).replace('"', "")
+                  for line in text.splitlines() if 'custom_call_target="__cublas$lt$matmul$f8"' in line]
+    # 2 forward products; dx and dW of both layers (the step differentiates x too).
+    assert sorted(precisions) == ["DEFAULT,DEFAULT"] * 2 + ["HIGHEST,HIGHEST"] * 4, precisions
+
+
 def test_gpu_matches_emulation_within_fp8_tolerance():
     from keras_fp8.backends import jax as jax_backend
 

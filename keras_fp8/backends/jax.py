@@ -79,15 +79,16 @@ def is_small_dot(m, k, n):
     return m * k + k * n < max(SMALL_DOT_ELEMENTS, _rewrite_size_threshold())
 
 
-def _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None):
+def _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None, precision=None):
     """`(a_q @ b_q) * scale (+ bias)` with FP8 operands handed to XLA directly:
     the GEMM writes the output dtype; the scale and bias are applied to that
-    in float32 (one fused pass)."""
+    in float32 (one fused pass). `precision=None` lets cuBLASLt accumulate
+    in its fast FP8 mode; `Precision.HIGHEST` turns that off."""
     if is_small_dot(a_q.shape[0], a_q.shape[1], b_q.shape[1]):
         return numerics.scaled_matmul(a_q, b_q, scale, out_dtype, bias)
     out_dtype = jnp.dtype(out_dtype)
     product = jax.lax.dot_general(
-        a_q, b_q, dimension_numbers=(((1,), (0,)), ((), ())),
+        a_q, b_q, dimension_numbers=(((1,), (0,)), ((), ())), precision=precision,
         preferred_element_type=out_dtype if out_dtype.itemsize < 4 else jnp.float32,
     )
     y = product.astype(jnp.float32) * scale
@@ -98,6 +99,16 @@ def _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None):
 
 def _matmul():
     return _xla_fp8_matmul if fp8_gemm_supported() else numerics.scaled_matmul
+
+
+def _backward_matmul():
+    """The backward's two products: XLA enables cuBLASLt's fast FP8
+    accumulation for every FP8 dot at the default precision; at
+    `Precision.HIGHEST` it keeps the FP8 GEMM and accumulates in full, as
+    the GEMM contract asks of the backward (docs/design.md, numerics)."""
+    if fp8_gemm_supported():
+        return functools.partial(_xla_fp8_matmul, precision=jax.lax.Precision.HIGHEST)
+    return numerics.scaled_matmul
 
 
 def _as_stored(x):
@@ -137,7 +148,7 @@ def _fp8_matmul_bwd(recipe, has_bias, residuals, grad):
      bias_proto) = residuals
     dx, dkernel, dpending = numerics.fp8_backward(
         grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
-        x_proto.dtype, kernel_proto.dtype, matmul=_matmul(),
+        x_proto.dtype, kernel_proto.dtype, matmul=_backward_matmul(),
     )
     # The bias gradient: summed in float32, rounded to the output's dtype
     # (as the torch backend's fused bias rounds it).
