@@ -246,12 +246,12 @@ class ModelTest(parameterized.TestCase):
         torch.testing.assert_close(fast, plain, rtol=0, atol=0)
 
 
-
 def _run_result(v):
     """A quality run's result whose final (and only) evaluation reads v."""
     curve = [{"step": 0, "val": 5.5}, {"step": 3, "train": v, "val": v}]
     return {"policy": "p", "curve": curve, "final_train": v, "final_val": v, "nonfinite": 0, "skipped": 0,
             "ms_per_step": 1.0}
+
 
 class QualityTest(parameterized.TestCase):
     def test_arguments(self):

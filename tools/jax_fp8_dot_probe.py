@@ -10,8 +10,9 @@ with given scales (`keras_fp8.numerics`' quantize and scale rules, Keras on
 JAX), then the three products y, dx and dkernel. The ways:
 
 - `bf16`: the three products in bf16 (no FP8);
-- `scale_after`: FP8 operands straight into `dot_general`, the product in
-  bf16, then `* scale` in float32 and a second rounding;
+- `scale_after`: the backend's product (`_xla_fp8_matmul`): FP8 operands
+  straight into `dot_general`, the product in bf16, then `* scale` in
+  float32 and a second rounding;
 - `dequant_one`: the first operand dequantized to float32 with the product
   of the two scales (`q.astype(f32) * scale`), the second only converted,
   and a `dot_general` with a bf16 result: the dequantize-then-dot pattern
@@ -72,6 +73,7 @@ def main(argv=None):
     if keras.backend.backend() != "jax":
         raise SystemExit(f"KERAS_BACKEND: expected jax, got {keras.backend.backend()}")
     from keras_fp8 import numerics
+    from keras_fp8.backends import jax as jax_backend
 
     f32, bf16 = jnp.float32, jnp.bfloat16
 
@@ -79,8 +81,9 @@ def main(argv=None):
     highest = jax.lax.Precision.HIGHEST
 
     def scale_after(a_q, b_q, sa, sb, precision=None):
-        p = jax.lax.dot_general(a_q, b_q, dims, precision=precision, preferred_element_type=bf16)
-        return (p.astype(f32) * (sa * sb)).astype(bf16)
+        # The backend's own product (forward at the default precision,
+        # backward at HIGHEST: `scale_after_hi`).
+        return jax_backend._xla_fp8_matmul(a_q, b_q, sa * sb, bf16, precision=precision)
 
     def dequant_f32(a_q, b_q, sa, sb, precision=None):
         a, b = a_q.astype(f32) * sa, b_q.astype(f32) * sb
