@@ -9,7 +9,9 @@ within each process:
 - `dense_bf16`: `keras.layers.Dense` under `mixed_bfloat16`;
 - `fp8_delayed`, `fp8_current`, `fp8_block`: `keras_fp8.layers.FP8Dense`
   under `fp8_hybrid`, `fp8_hybrid[scaling=current]` and
-  `fp8_e4m3[scaling=block]`.
+  `fp8_e4m3[scaling=block]`;
+- `fp8_delayed_xla` (JAX only): `fp8_delayed` traced with the backend's
+  custom call off (`jax_gemm.set_enabled(False)`): XLA's own FP8 dot.
 
 One step is the layer's forward on a bf16 x (training=True) and the
 backward of a random bf16 output gradient, giving dx and the kernel's
@@ -41,15 +43,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import timing  # noqa: E402
 
-VARIANTS = ["dense_bf16", "fp8_delayed", "fp8_current", "fp8_block"]
+VARIANTS = ["dense_bf16", "fp8_delayed", "fp8_current", "fp8_block", "fp8_delayed_xla"]
+JAX_ONLY = ("fp8_delayed_xla",)
 POLICIES = {
     "dense_bf16": "mixed_bfloat16",
     "fp8_delayed": "fp8_hybrid",
     "fp8_current": "fp8_hybrid[scaling=current]",
     "fp8_block": "fp8_e4m3[scaling=block]",
+    "fp8_delayed_xla": "fp8_hybrid",
 }
 LABELS = {"dense_bf16": "Dense bf16", "fp8_delayed": "FP8Dense delayed", "fp8_current": "FP8Dense current",
-          "fp8_block": "FP8Dense block"}
+          "fp8_block": "FP8Dense block", "fp8_delayed_xla": "FP8Dense delayed, XLA dot"}
 SHAPES = "16384x4096x14336"
 DRY_RUN_SHAPES = "64x128x256"
 
@@ -158,11 +162,17 @@ def _jax_steps(layers, m, k, n):
         jitted = jax.jit(fwd_bwd)
         cache = {}
 
-        def lazy_compiled(jitted=jitted, trainable=trainable, state=state, cache=cache):
+        def lazy_compiled(jitted=jitted, trainable=trainable, state=state, cache=cache, custom_call=v not in JAX_ONLY):
             # Compiled once ahead of time: the memory analysis and the steps
             # share the executable.
             if "exe" not in cache:
-                cache["exe"] = jitted.lower(trainable, state[0], x, g).compile()
+                from keras_fp8.backends import jax_gemm
+
+                jax_gemm.set_enabled(custom_call)
+                try:
+                    cache["exe"] = jitted.lower(trainable, state[0], x, g).compile()
+                finally:
+                    jax_gemm.set_enabled(True)
             return cache["exe"]
 
         def step(trainable=trainable, state=state, compiled=lazy_compiled):
@@ -218,7 +228,7 @@ def worker(args):
     env = timing.environment()
     env["backend"] = backend
     timing.emit({"env": env})
-    names = args.variants.split(",")
+    names = [v for v in args.variants.split(",") if backend == "jax" or v not in JAX_ONLY]
     for m, k, n in args.shape_list:
         row = f"{backend} {m}x{k}x{n}"
         layers, problems = {}, {}
@@ -256,9 +266,9 @@ def worker(args):
 
 # --------------------------------------------------------------------------- table
 HEADER = ("| backend | M x K x N | Dense bf16 | FP8Dense delayed | FP8Dense current | FP8Dense block "
-          "| delayed / bf16 | current / bf16 | block / bf16 |")
+          "| FP8Dense delayed, XLA dot | delayed / bf16 | current / bf16 | block / bf16 | XLA dot / bf16 |")
 MEM_HEADER = ("| backend | M x K x N | Dense bf16 | FP8Dense delayed | FP8Dense current | FP8Dense block "
-              "| delayed / bf16 |")
+              "| FP8Dense delayed, XLA dot | delayed / bf16 |")
 
 
 def _sep(h):
@@ -273,7 +283,8 @@ def tables(per_process, args=None):
     for row in res.rows():
         backend, shape = row.split(" ", 1)
         cells = [res.ms(row, v) for v in VARIANTS]
-        cells += [res.ratio(row, v, "dense_bf16") for v in ("fp8_delayed", "fp8_current", "fp8_block")]
+        cells += [res.ratio(row, v, "dense_bf16") for v in ("fp8_delayed", "fp8_current", "fp8_block",
+                                                              "fp8_delayed_xla")]
         out.append(f"| {backend} | {shape.replace('x', ' x ')} | " + " | ".join(cells) + " |")
     out += ["", "Step memory, GiB above the resident tensors (torch: max_memory_allocated; JAX: the compiled "
             "step's temporaries + outputs); ratio fp8 / bf16:", "", MEM_HEADER, _sep(MEM_HEADER)]

@@ -179,13 +179,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& 
 // gemm.cpp
 
 // out (M, N) = (a @ b^T) * scale_a * scale_b (+ bias), a (M, K) and b (N, K)
-// FP8, through cuBLASLt; `autotune`: time the candidates of a shape's first
+// FP8, through cuBLASLt (lt_gemm.h); `autotune`: time the candidates of a shape's first
 // call (outside graph capture) and keep the fastest.
 at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool fast_accum, bool autotune);
-
-// True when `stream` is capturing a CUDA graph, or its state cannot be read.
-bool stream_capturing(cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // block.cu: block-scaling quantize (torch_ops/reference.py's quantize_tiles,

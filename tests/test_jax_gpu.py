@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import keras_fp8
+from keras_fp8.backends import jax_gemm
 from tests.backend_utils import rng_normal
 from tests.backend_utils import to_numpy
 
@@ -37,8 +38,9 @@ _DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?([a-z0-9]+)\[")
 
 
 def gemm_operand_types(hlo_text):
-    """For every matrix product in compiled HLO (dots inside fusions and
-    cuBLAS custom calls), the element types of its two operands."""
+    """For every matrix product in compiled HLO (dots inside fusions, cuBLAS
+    custom calls and keras_fp8's own), the element types of its two
+    operands."""
     types = {}
     for line in hlo_text.splitlines():
         m = _DEF.match(line)
@@ -49,7 +51,7 @@ def gemm_operand_types(hlo_text):
         gemm = re.search(r"\b(dot|custom-call)\(([^)]*)\)", line)
         if not gemm:
             continue
-        if gemm.group(1) == "custom-call" and "__cublas" not in line:
+        if gemm.group(1) == "custom-call" and "__cublas" not in line and jax_gemm.TARGET not in line:
             continue
         names = re.findall(r"%([\w.\-]+)", gemm.group(2))[:2]
         products.append((line.strip()[:160], [types.get(n, "?") for n in names]))
@@ -95,18 +97,123 @@ def test_all_three_gemms_of_every_fp8_layer_are_fp8():
     assert not other, "GEMMs in bf16/f32 inside an FP8 model:\n" + "\n".join(other)
 
 
-def test_backward_gemms_accumulate_in_full():
-    # XLA turns cuBLASLt's fast FP8 accumulation on for an FP8 dot at the
-    # default precision; the backward's two products ask for HIGHEST (full
-    # accumulation, docs/design.md), the forward keeps the default.
+@pytest.fixture(params=[True, False], ids=["custom_call", "xla_dot"])
+def gemm_way(request):
+    """Both ways the backend runs an FP8 product on the GPU."""
+    jax_gemm.set_enabled(request.param)
+    yield request.param
+    jax_gemm.set_enabled(True)
+
+
+def test_the_custom_call_is_available():
+    # On an FP8 GPU the library builds, registers and passes its check;
+    # a failure here would otherwise only be a warning.
+    assert jax_gemm.available(), jax_gemm._load()
+
+
+def test_backward_gemms_accumulate_in_full(gemm_way):
+    # The forward may use cuBLASLt's fast FP8 accumulation, the backward's
+    # two products accumulate in full (docs/design.md). The custom call
+    # carries it as its fast_accum attribute; XLA turns fast accumulation
+    # on for an FP8 dot at the default precision and off at HIGHEST.
     keras.mixed_precision.set_global_policy("fp8_hybrid")
     model = keras.Sequential([keras.Input((256,)), keras_fp8.layers.FP8Dense(512), keras_fp8.layers.FP8Dense(384)])
     x = rng_normal((1024, 256), 0).astype("float32")
     text, _ = _compiled_train_step_text(model, x, rng_normal((1024, 384), 1))
+    if gemm_way:
+        modes = [re.search(r"fast_accum = (\d)", line).group(1)
+                 for line in text.splitlines() if f'custom_call_target="{jax_gemm.TARGET}"' in line]
+        assert sorted(modes) == ["0"] * 4 + ["1"] * 2, modes
+        assert "__cublas$lt$matmul$f8" not in text
+        return
     precisions = [re.search(r'"operand_precision":\[([^\]]*)\]', line).group(1).replace('"', "")
                   for line in text.splitlines() if 'custom_call_target="__cublas$lt$matmul$f8"' in line]
     # 2 forward products; dx and dW of both layers (the step differentiates x too).
     assert sorted(precisions) == ["DEFAULT,DEFAULT"] * 2 + ["HIGHEST,HIGHEST"] * 4, precisions
+
+
+_OUTPUT_RTOL = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-12}
+
+
+def assert_gemm_close(got, want, out_dtype, fast=False):
+    """tests/torch_ops/helpers.py's bound for an FP8 GEMM against the
+    float32 emulation: `|got - want| <= atol + rtol |want|`, atol 2**-9
+    (2**-5 with fast accumulation) of want's root mean square, rtol one
+    rounding to the output dtype."""
+    rms = float(np.sqrt(np.mean(np.square(want)))) if want.size else 0.0
+    atol = (2.0**-5 if fast else 2.0**-9) * rms
+    bound = atol + _OUTPUT_RTOL[out_dtype] * np.abs(want)
+    excess = np.abs(got - want) - bound
+    assert np.all(excess <= 0), f"worst excess {float(np.max(excess)):.4g} over atol {atol:.3g} + rtol |want|"
+
+
+def _custom_call_cases():
+    cases = []
+    for m, k, n in [(256, 512, 384), (300, 64, 200), (1, 16, 8), (4096, 1024, 2048)]:
+        for a_fmt, b_fmt in [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2")]:
+            cases.append((m, k, n, a_fmt, b_fmt))
+    return cases
+
+
+@pytest.mark.parametrize("m,k,n,a_fmt,b_fmt", _custom_call_cases())
+@pytest.mark.parametrize("magnitude", [2.0**-12, 1.0, 2.0**10])
+@pytest.mark.parametrize("out_dtype,use_bias", [("bfloat16", True), ("bfloat16", False), ("float16", True),
+                                                ("float32", True)])
+def test_custom_call_matches_the_emulation(m, k, n, a_fmt, b_fmt, magnitude, out_dtype, use_bias):
+    # Fresh random operands quantized with their delayed-style scales; the
+    # custom call at full accumulation against numerics.scaled_matmul
+    # (float32 sums, one rounding), element by element, with the bound the
+    # torch_ops GEMM tests use (tests/torch_ops/helpers.py,
+    # assert_gemm_close): FP8 tensor cores sum about 14 bits between
+    # promotions, so an absolute part relative to the product's root mean
+    # square (2**-9 of it), and the output dtype's one rounding.
+    import jax.numpy as jnp
+
+    from keras_fp8 import numerics
+
+    seed = m + 7 * k + 13 * n
+    a = jnp.asarray(rng_normal((m, k), seed, magnitude))
+    b = jnp.asarray(rng_normal((k, n), seed + 1, 0.05))
+    scales = [numerics.compute_scale(numerics.compute_amax(t), jnp.float32(1.0), fmt)
+              for t, fmt in ((a, a_fmt), (b, b_fmt))]
+    a_q, b_q = numerics.quantize(a, scales[0], a_fmt), numerics.quantize(b, scales[1], b_fmt)
+    scale = scales[0] * scales[1]
+    # The bias in the output dtype, as the layer hands it over.
+    bias = jnp.asarray(rng_normal((n,), seed + 2, magnitude)).astype(out_dtype) if use_bias else None
+    assert jax_gemm.supports(a_q, b_q, out_dtype)
+    got = np.asarray(jax_gemm.scaled_matmul(a_q, b_q, scale, out_dtype, bias, fast_accum=False), np.float64)
+    want = np.asarray(numerics.scaled_matmul(a_q, b_q, scale, out_dtype, bias), np.float64)
+    assert np.all(np.isfinite(got))
+    assert_gemm_close(got, want, out_dtype)
+
+
+def test_fast_accumulation_stays_close():
+    import jax.numpy as jnp
+
+    from keras_fp8 import numerics
+
+    a_q = numerics.quantize(jnp.asarray(rng_normal((512, 2048), 3)), jnp.float32(16.0), "e4m3")
+    b_q = numerics.quantize(jnp.asarray(rng_normal((2048, 256), 4)), jnp.float32(16.0), "e4m3")
+    scale = jnp.float32(1 / 256)
+    got = np.asarray(jax_gemm.scaled_matmul(a_q, b_q, scale, "bfloat16", fast_accum=True), np.float64)
+    want = np.asarray(numerics.scaled_matmul(a_q, b_q, scale, "bfloat16"), np.float64)
+    assert_gemm_close(got, want, "bfloat16", fast=True)
+
+
+def test_ragged_shapes_run_xla_and_agree(gemm_way):
+    # K = 520 is no multiple of 16: XLA's dot runs it either way; the layer's
+    # output is the same FP8 product.
+    keras.mixed_precision.set_global_policy("fp8_hybrid[history_len=8]")
+    keras.utils.set_random_seed(0)
+    layer = keras_fp8.layers.FP8Dense(200)
+    layer.build((None, 520))
+    x = rng_normal((300, 520), 0)
+    y = np.asarray(to_numpy(layer(x, training=True)), np.float32)
+    assert np.all(np.isfinite(y))
+    import jax.numpy as jnp
+
+    assert not jax_gemm.supports(jnp.zeros((300, 520), jnp.float8_e4m3fn), jnp.zeros((520, 200), jnp.float8_e4m3fn),
+                                 "bfloat16")
 
 
 def test_gpu_matches_emulation_within_fp8_tolerance():

@@ -10,7 +10,11 @@ with given scales (`keras_fp8.numerics`' quantize and scale rules, Keras on
 JAX), then the three products y, dx and dkernel. The ways:
 
 - `bf16`: the three products in bf16 (no FP8);
-- `scale_after`: the backend's product (`_xla_fp8_matmul`): FP8 operands
+- `custom_call`: what the backend runs (`_gpu_fp8_matmul`): the cuBLASLt
+  GEMM of `csrc/lt_gemm.h` as an XLA custom call, scales and bias in the
+  epilogue, the forward in fast accumulation, the backward in full;
+- `scale_after`: XLA's own FP8 dot (`_xla_fp8_matmul`, what the backend
+  runs where the custom call does not apply): FP8 operands
   straight into `dot_general`, the product in bf16, then `* scale` in
   float32 and a second rounding;
 - `dequant_one`: the first operand dequantized to float32 with the product
@@ -23,7 +27,7 @@ JAX), then the three products y, dx and dkernel. The ways:
   float32 result cast to bf16;
 - `_hi`: the two backward products with `Precision.HIGHEST` (XLA then
   turns cuBLASLt's fast FP8 accumulation off); `scale_after_hi` is what
-  the backend runs.
+  the backend runs without the custom call.
 
 Printed per way: ms per step (median of interleaved samples), the largest
 relative difference of y, dx and dkernel from the float32 emulation
@@ -41,7 +45,8 @@ import statistics
 import sys
 import time
 
-WAYS = ("bf16", "scale_after", "scale_after_hi", "dequant_one", "dequant_one_hi", "dequant_f32", "dequant_f32_hi")
+WAYS = ("bf16", "custom_call", "scale_after", "scale_after_hi", "dequant_one", "dequant_one_hi", "dequant_f32",
+        "dequant_f32_hi")
 
 
 def parse_args(argv=None):
@@ -85,6 +90,9 @@ def main(argv=None):
         # backward at HIGHEST: `scale_after_hi`).
         return jax_backend._xla_fp8_matmul(a_q, b_q, sa * sb, bf16, precision=precision)
 
+    def custom_call(a_q, b_q, sa, sb, precision=None):
+        return jax_backend._gpu_fp8_matmul(a_q, b_q, sa * sb, bf16, precision=precision)
+
     def dequant_f32(a_q, b_q, sa, sb, precision=None):
         a, b = a_q.astype(f32) * sa, b_q.astype(f32) * sb
         return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32).astype(bf16)
@@ -108,7 +116,7 @@ def main(argv=None):
     def bf16_step(x, k, g, sx, sk, sg):
         return x @ k, g @ k.T, x.T @ g
 
-    ways = {"bf16": bf16_step, "scale_after": fp8_step(scale_after),
+    ways = {"bf16": bf16_step, "custom_call": fp8_step(custom_call, highest), "scale_after": fp8_step(scale_after),
             "scale_after_hi": fp8_step(scale_after, highest), "dequant_one": fp8_step(dequant_one),
             "dequant_one_hi": fp8_step(dequant_one, highest), "dequant_f32": fp8_step(dequant_f32),
             "dequant_f32_hi": fp8_step(dequant_f32, highest)}

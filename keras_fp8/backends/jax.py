@@ -2,10 +2,13 @@
 
 The state updates are `keras_fp8.numerics`' rules on the layer's variables
 (assignments inside `stateless_call` propagate). On an FP8-capable GPU
-(compute capability >= 8.9) the quantized operands go straight into
-`jax.lax.dot_general` (the product in the output dtype), so XLA emits
-cuBLASLt FP8 GEMMs for the forward and both backward products; elsewhere the
-exact emulation (`numerics.scaled_matmul`) runs.
+(compute capability >= 8.9) the forward and both backward products run
+the cuBLASLt FP8 GEMM torch_ops runs, as an XLA custom call
+(`jax_gemm`: the scales and the bias in the epilogue, one rounding);
+where that is not available, or the shapes are not its, the quantized
+operands go straight into `jax.lax.dot_general` and XLA emits its own
+cuBLASLt FP8 GEMM, scaled in a second pass. Elsewhere the exact emulation
+(`numerics.scaled_matmul`) runs.
 
 A variable cannot be assigned inside a JAX backward pass: the output
 gradient's amax leaves through the cotangent of `grad_amax_pending`, which
@@ -17,11 +20,13 @@ import os
 
 import jax
 import jax.numpy as jnp
+import keras
 from keras import ops
 
 from keras_fp8 import compat
 from keras_fp8 import numerics
 from keras_fp8 import recipes
+from keras_fp8.backends import jax_gemm
 
 # Below this M*N*K an FP8 layer on a GPU with real FP8 GEMMs runs what the
 # compute-dtype layer runs (torch_ops's threshold, the same GEMM libraries
@@ -43,6 +48,13 @@ def fp8_gemm_supported():
         return False
     major, minor = (int(v) for v in str(capability).split(".")[:2])
     return (major, minor) >= (8, 9)
+
+
+def prepare_device(tensor):
+    """Builds and checks the custom call (`jax_gemm.available`) in eager
+    code, on an FP8 GPU, so that the first traced product does not."""
+    if fp8_gemm_supported() and jax_gemm.enabled():
+        jax_gemm.available()
 
 
 def default_min_gemm_size(x):
@@ -79,6 +91,15 @@ def is_small_dot(m, k, n):
     return m * k + k * n < max(SMALL_DOT_ELEMENTS, _rewrite_size_threshold())
 
 
+def _custom_call_applies(a_q, b_q, out_dtype):
+    """Whether this product runs `jax_gemm`'s custom call: enabled and
+    available, shapes it takes, and no Keras distribution (XLA's SPMD
+    partitioner knows how to split its own dot, not a custom call: it would
+    gather the operands)."""
+    return (jax_gemm.enabled() and fp8_gemm_supported() and jax_gemm.supports(a_q, b_q, out_dtype)
+            and keras.distribution.distribution() is None and jax_gemm.available())
+
+
 def _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None, precision=None):
     """`(a_q @ b_q) * scale (+ bias)` with FP8 operands handed to XLA directly:
     the GEMM writes the output dtype; the scale and bias are applied to that
@@ -97,17 +118,28 @@ def _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None, precision=None):
     return y.astype(out_dtype)
 
 
+def _gpu_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None, precision=None):
+    """An FP8 product on the GPU: `jax_gemm`'s custom call where it applies
+    (`_custom_call_applies`), else `_xla_fp8_matmul`. `precision` as
+    there: None or DEFAULT is cuBLASLt's fast accumulation."""
+    if not is_small_dot(a_q.shape[0], a_q.shape[1], b_q.shape[1]) and _custom_call_applies(a_q, b_q, out_dtype):
+        fast = precision is None or precision == jax.lax.Precision.DEFAULT
+        return jax_gemm.scaled_matmul(a_q, b_q, scale, out_dtype, bias, fast_accum=fast)
+    return _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias, precision)
+
+
 def _matmul():
-    return _xla_fp8_matmul if fp8_gemm_supported() else numerics.scaled_matmul
+    return _gpu_fp8_matmul if fp8_gemm_supported() else numerics.scaled_matmul
 
 
 def _backward_matmul():
-    """The backward's two products: XLA enables cuBLASLt's fast FP8
-    accumulation for every FP8 dot at the default precision; at
-    `Precision.HIGHEST` it keeps the FP8 GEMM and accumulates in full, as
-    the GEMM contract asks of the backward (docs/design.md, numerics)."""
+    """The backward's two products accumulate in full, as the GEMM contract
+    asks (docs/design.md, numerics): the custom call without fast
+    accumulation; XLA enables cuBLASLt's fast FP8 accumulation for every
+    FP8 dot at the default precision, and at `Precision.HIGHEST` keeps the
+    FP8 GEMM and accumulates in full."""
     if fp8_gemm_supported():
-        return functools.partial(_xla_fp8_matmul, precision=jax.lax.Precision.HIGHEST)
+        return functools.partial(_gpu_fp8_matmul, precision=jax.lax.Precision.HIGHEST)
     return numerics.scaled_matmul
 
 

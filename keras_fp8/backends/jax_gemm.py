@@ -1,0 +1,288 @@
+"""The JAX backend's FP8 GEMM as an XLA custom call (`csrc/jax_ffi.cpp`).
+
+XLA's own FP8 `dot_general` writes its product in the output dtype and
+multiplies by the scale in a second pass: two roundings and one more read
+and write of every output. The custom call runs the cuBLASLt GEMM that
+torch_ops runs (`csrc/lt_gemm.h`): the two scales and the bias in the
+epilogue, one rounding, no second pass, and the torch backend's algorithm
+choice. docs/design.md, "Execution paths".
+
+The library is compiled on first use (a C++ compiler, the CUDA runtime and
+cuBLASLt headers: the `nvidia-*` wheels JAX's CUDA plugin installs, or a
+CUDA toolkit), cached under `~/.cache/keras_fp8/jax_ffi/`, registered with
+XLA and checked once on a small product against the exact emulation. Where
+any of that fails, a one-time warning names why and the backend keeps
+XLA's FP8 dot (`available()` is False).
+
+Example:
+
+```python
+from keras_fp8.backends import jax_gemm
+
+jax_gemm.set_enabled(False)   # XLA's FP8 dot instead, for programs traced from now on
+```
+"""
+
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "keras_fp8_scaled_gemm"
+SOURCES = ("jax_ffi.cpp", "lt_gemm.h")
+# fp8lt::kWorkspaceBytes (csrc/lt_gemm.h): the workspace XLA allocates for
+# each call (a buffer of its own, reused across calls).
+WORKSPACE_BYTES = 32 << 20
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+_lock = threading.Lock()
+_enabled = True
+
+
+def set_enabled(enabled):
+    """Whether FP8 products on the GPU run the custom call (the default)
+    or XLA's FP8 `dot_general`, for functions traced from now on (a
+    compiled step keeps the way it was traced with).
+
+    Args:
+        enabled: bool.
+    """
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {enabled!r}")
+    _enabled = enabled
+
+
+def enabled():
+    """Whether `set_enabled` leaves the custom call on."""
+    return _enabled
+
+
+def source_dir():
+    """The folder holding `csrc/` (a source checkout's top level, or the
+    installed wheel's `torch_ops/csrc`), found without importing torch."""
+    here = pathlib.Path(__file__).resolve().parents[2] / "csrc"
+    if all((here / name).is_file() for name in SOURCES):
+        return here
+    spec = importlib.util.find_spec("torch_ops")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            for candidate in (pathlib.Path(location) / "csrc", pathlib.Path(location).parent / "csrc"):
+                if all((candidate / name).is_file() for name in SOURCES):
+                    return candidate
+    raise FileNotFoundError(f"csrc/: expected {', '.join(SOURCES)} beside keras_fp8 or in torch_ops/csrc")
+
+
+def _cuda_roots():
+    """Folders that may hold CUDA headers and libraries, best first: the
+    `nvidia-*` wheels (what JAX's CUDA plugin loads), then a toolkit."""
+    roots = []
+    for site in sys.path:
+        nvidia = pathlib.Path(site) / "nvidia"
+        if nvidia.is_dir():
+            roots += sorted(p for p in nvidia.glob("cu*") if p.is_dir())
+            roots += sorted(p for p in nvidia.glob("*") if (p / "include").is_dir())
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(variable):
+            roots.append(pathlib.Path(os.environ[variable]))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(pathlib.Path(os.path.realpath(nvcc)).parent.parent)
+    roots.append(pathlib.Path("/usr/local/cuda"))
+    return [r for i, r in enumerate(roots) if r not in roots[:i]]
+
+
+def _find(roots, subdirs, names):
+    """The first folder `root/subdir` holding every file of `names` (a
+    name ending in `*` matches any suffix)."""
+    for root in roots:
+        for sub in subdirs:
+            folder = root / sub
+            if all(any(folder.glob(name)) for name in names):
+                return folder
+    return None
+
+
+def build(build_dir=None):
+    """Compiles the custom call's library (once per source and jaxlib
+    version) and returns its path.
+
+    Args:
+        build_dir: Where to build; default `~/.cache/keras_fp8/jax_ffi`.
+
+    Returns:
+        The path of the shared library.
+    """
+    src = source_dir()
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((src / name).read_bytes())
+    digest.update(jax.__version__.encode())
+    root = pathlib.Path(build_dir) if build_dir else pathlib.Path.home() / ".cache" / "keras_fp8" / "jax_ffi"
+    out = root / f"libkeras_fp8_jax_{digest.hexdigest()[:16]}.so"
+    if out.is_file():
+        return out
+    roots = _cuda_roots()
+    # cuda_runtime.h with the crt/ headers it includes (a runtime wheel may
+    # ship it without them).
+    includes = [_find(roots, ["include"], ["cuda_runtime.h", "crt/host_config.h"]),
+                _find(roots, ["include"], ["cublasLt.h"])]
+    libs = [_find(roots, ["lib", "lib64"], ["libcudart.so*"]), _find(roots, ["lib", "lib64"], ["libcublasLt.so*"])]
+    if None in includes or None in libs:
+        raise FileNotFoundError(f"CUDA runtime and cuBLASLt headers and libraries: not found under "
+                                f"{[str(r) for r in roots]}")
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise FileNotFoundError("a C++ compiler (g++ or $CXX): not found")
+
+    def lib_flag(folder, stem):
+        # The versioned name where there is no plain .so (the wheels ship
+        # only libcublasLt.so.13).
+        plain = folder / f"lib{stem}.so"
+        return f"-l{stem}" if plain.exists() else f"-l:{sorted(folder.glob(f'lib{stem}.so.*'))[0].name}"
+
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        partial = pathlib.Path(tmp) / out.name
+        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{src}",
+               f"-I{jax.ffi.include_dir()}"] + [f"-I{d}" for d in dict.fromkeys(includes)] + [
+               str(src / "jax_ffi.cpp"), "-o", str(partial)] + [
+               f"-L{d}" for d in dict.fromkeys(libs)] + [f"-Wl,-rpath,{d}" for d in dict.fromkeys(libs)] + [
+               lib_flag(libs[1], "cublasLt"), lib_flag(libs[0], "cudart")]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"building {out.name} failed:\n{' '.join(cmd)}\n{result.stderr[-4000:]}")
+        os.replace(partial, out)
+    return out
+
+
+def _register(path):
+    library = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.KerasFp8ScaledGemm), platform="CUDA")
+    return library
+
+
+def _self_test():
+    """The custom call on a small product with a bias against the exact
+    emulation (float32 accumulation, one rounding)."""
+    from keras_fp8 import numerics
+
+    rng = np.random.default_rng(0)
+    # Evaluated now even when the first FP8 product is being traced.
+    with jax.ensure_compile_time_eval():
+        a = jnp.asarray(rng.normal(size=(64, 48)), jnp.float8_e4m3fn)
+        b = jnp.asarray(rng.normal(size=(48, 40)), jnp.float8_e4m3fn)
+        bias = jnp.asarray(rng.normal(size=(40,)), jnp.bfloat16)
+        scale = jnp.float32(0.375)
+        run = jax.jit(functools.partial(_call, out_dtype=jnp.bfloat16, fast_accum=False))
+        got = np.asarray(run(a, b, scale, bias=bias), np.float32)
+        want = np.asarray(numerics.scaled_matmul(a, b, scale, jnp.bfloat16, bias), np.float32)
+    # The FP8 GEMM bound of the test suites: 2**-9 of the product's root
+    # mean square (the tensor cores' partial sums) and one bf16 rounding.
+    rms = float(np.sqrt(np.mean(np.square(want))))
+    excess = np.abs(got - want) - (2.0**-9 * rms + 2.0**-7 * np.abs(want))
+    if np.any(excess > 0):
+        raise RuntimeError(f"the custom call's product differs from the emulation by up to "
+                           f"{float(np.max(np.abs(got - want))):.3g}")
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    """Builds, registers and checks the library once; returns None or the
+    reason it is not used."""
+    try:
+        with _lock:
+            _register(build())
+        _self_test()
+    except Exception as e:  # any failure leaves XLA's FP8 dot in place
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def available():
+    """True when the custom call is built, registered and checked (the
+    first call does that; a failure warns once and returns False)."""
+    problem = _load()
+    if problem is not None:
+        if not getattr(available, "_warned", False):
+            available._warned = True
+            warnings.warn(f"keras_fp8: the JAX FP8 GEMM custom call is not available ({problem.splitlines()[0]}); "
+                          "FP8 products run XLA's FP8 dot instead.", stacklevel=2)
+        return False
+    return True
+
+
+def supports(a_q, b_q, out_dtype):
+    """Whether `scaled_matmul` takes these operands: 2-D FP8 `(M, K)` and
+    `(K, N)`, not both E5M2, K a multiple of 16, N of 8, a 16- or 32-bit
+    float output."""
+    if a_q.ndim != 2 or b_q.ndim != 2:
+        return False
+    if jnp.dtype(a_q.dtype) not in _FP8_DTYPES or jnp.dtype(b_q.dtype) not in _FP8_DTYPES:
+        return False
+    if jnp.dtype(a_q.dtype) == jnp.dtype(b_q.dtype) == jnp.dtype(jnp.float8_e5m2):
+        return False
+    k, n = a_q.shape[1], b_q.shape[1]
+    if not isinstance(k, int) or not isinstance(n, int):
+        return False
+    return k % 16 == 0 and n % 8 == 0 and jnp.dtype(out_dtype) in _OUT_DTYPES
+
+
+def scaled_matmul(a_q, b_q, scale, out_dtype, bias=None, fast_accum=True, autotune=True):
+    """`(a_q @ b_q) * scale (+ bias)` by the cuBLASLt custom call: float32
+    accumulation (`fast_accum`: cuBLASLt's fast FP8 mode), the scale and
+    the bias in the epilogue, one rounding to `out_dtype`.
+
+    Args:
+        a_q: `(M, K)` FP8 array.
+        b_q: `(K, N)` FP8 array (`supports` says which shapes).
+        scale: float32 scalar, the product of the two operands' scales.
+        out_dtype: bfloat16, float16 or float32.
+        bias: Optional `(N,)` bias.
+        fast_accum: bool.
+        autotune: Time cuBLASLt's candidates on a shape's first call and
+            keep the fastest (torch_ops's `gemm_autotune`).
+
+    Returns:
+        The `(M, N)` product in `out_dtype`.
+
+    Raises:
+        RuntimeError: where the custom call is not available (`available`).
+    """
+    problem = _load()
+    if problem is not None:
+        raise RuntimeError(f"keras_fp8: the JAX FP8 GEMM custom call is not available ({problem})")
+    return _call(a_q, b_q, scale, out_dtype, bias, fast_accum, autotune)
+
+
+def _call(a_q, b_q, scale, out_dtype, bias, fast_accum, autotune=True):
+    """`scaled_matmul` once the target is registered."""
+    out_dtype = jnp.dtype(out_dtype)
+    m, n = a_q.shape[0], b_q.shape[1]
+    # The epilogue adds a bias in the 16-bit output type; a float32 output
+    # gets it added after (exact: the same float32 sum).
+    fused_bias = bias is not None and out_dtype.itemsize == 2
+    bias_operand = bias.astype(out_dtype) if fused_bias else jnp.zeros((1,), out_dtype)
+    out, _ = jax.ffi.ffi_call(
+        TARGET,
+        (jax.ShapeDtypeStruct((m, n), out_dtype), jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
+        vmap_method="sequential",
+    )(a_q, jnp.transpose(b_q), jnp.asarray(scale, jnp.float32).reshape(()), jnp.ones((), jnp.float32),
+      bias_operand, fast_accum=np.int32(fast_accum), autotune=np.int32(autotune), has_bias=np.int32(fused_bias))
+    if bias is not None and not fused_bias:
+        out = (out + bias.astype(jnp.float32)).astype(out_dtype)
+    return out

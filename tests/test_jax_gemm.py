@@ -1,0 +1,132 @@
+"""The JAX custom call's plumbing, on any machine: settings, the shapes it
+takes, where it finds its sources and CUDA, and what a failed build does.
+Its products are tested on an FP8 GPU (tests/test_jax_gpu.py)."""
+
+import pathlib
+import warnings
+
+import keras
+import pytest
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's custom call")
+
+
+@pytest.fixture
+def jax_gemm():
+    from keras_fp8.backends import jax_gemm
+
+    yield jax_gemm
+    jax_gemm.set_enabled(True)
+
+
+def test_set_enabled_takes_a_bool(jax_gemm):
+    jax_gemm.set_enabled(False)
+    assert not jax_gemm.enabled()
+    jax_gemm.set_enabled(True)
+    assert jax_gemm.enabled()
+    with pytest.raises(TypeError, match=r"enabled: expected a bool, got 'no'"):
+        jax_gemm.set_enabled("no")
+
+
+def test_supports(jax_gemm):
+    import jax.numpy as jnp
+
+    e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+    def sup(a_shape, b_shape, a=e4, b=e4, out="bfloat16"):
+        return jax_gemm.supports(jnp.zeros(a_shape, a), jnp.zeros(b_shape, b), out)
+
+    assert sup((300, 64), (64, 200))
+    assert sup((1, 16), (16, 8), e5, e4, "float32")
+    assert sup((8, 32), (32, 16), e4, e5, "float16")
+    assert not sup((8, 520), (520, 16))  # K not a multiple of 16
+    assert not sup((8, 32), (32, 12))  # N not a multiple of 8
+    assert not sup((8, 32), (32, 16), e5, e5)  # cuBLASLt has no E5M2 x E5M2
+    assert not sup((8, 32), (32, 16), out="int8")
+    assert not jax_gemm.supports(jnp.zeros((8, 32), "bfloat16"), jnp.zeros((32, 16), e4), "bfloat16")
+    assert not jax_gemm.supports(jnp.zeros((2, 8, 32), e4), jnp.zeros((32, 16), e4), "bfloat16")
+
+
+def test_sources_are_found(jax_gemm):
+    folder = jax_gemm.source_dir()
+    for name in jax_gemm.SOURCES:
+        assert (folder / name).is_file()
+
+
+def test_find_picks_the_first_folder_with_every_file(jax_gemm, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    (first / "include").mkdir(parents=True)
+    (second / "include").mkdir(parents=True)
+    (first / "include" / "cuda_runtime.h").write_text("")
+    (second / "include" / "cuda_runtime.h").write_text("")
+    (second / "include" / "cublasLt.h").write_text("")
+    (second / "lib").mkdir()
+    (second / "lib" / "libcublasLt.so.13").write_text("")
+    assert jax_gemm._find([first, second], ["include"], ["cuda_runtime.h", "cublasLt.h"]) == second / "include"
+    assert jax_gemm._find([first, second], ["lib", "lib64"], ["libcublasLt.so*"]) == second / "lib"
+    assert jax_gemm._find([first], ["lib"], ["libcublasLt.so*"]) is None
+
+
+def test_cuda_roots_start_with_the_wheels_and_take_cuda_home(jax_gemm, monkeypatch, tmp_path):
+    wheel = tmp_path / "site" / "nvidia" / "cu13"
+    (wheel / "include").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "toolkit"))
+    roots = jax_gemm._cuda_roots()
+    assert roots[0] == wheel
+    assert pathlib.Path(tmp_path / "toolkit") in roots
+    assert len(roots) == len(set(roots))
+
+
+def test_a_failed_build_warns_once_and_keeps_xla(jax_gemm, monkeypatch):
+    def no_build(build_dir=None):
+        raise FileNotFoundError("a C++ compiler (g++ or $CXX): not found")
+
+    monkeypatch.setattr(jax_gemm, "build", no_build)
+    monkeypatch.setattr(jax_gemm.available, "_warned", False, raising=False)
+    jax_gemm._load.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert not jax_gemm.available()
+            assert not jax_gemm.available()
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1, messages
+        assert "custom call is not available (FileNotFoundError: a C++ compiler" in messages[0]
+        assert "XLA's FP8 dot instead" in messages[0]
+    finally:
+        jax_gemm._load.cache_clear()
+
+
+def test_the_backend_uses_it_only_on_an_fp8_gpu(jax_gemm, monkeypatch):
+    # Off an FP8 GPU the products are the emulation's: the custom call is
+    # never built, nor warned about.
+    from keras_fp8.backends import jax as jax_backend
+
+    if jax_backend.fp8_gemm_supported():
+        pytest.skip("an FP8 GPU: tests/test_jax_gpu.py covers the custom call")
+
+    def fail():
+        raise AssertionError("available() called off an FP8 GPU")
+
+    monkeypatch.setattr(jax_gemm, "available", fail)
+    jax_backend.prepare_device(None)
+    from keras_fp8 import numerics
+
+    assert jax_backend._matmul() is numerics.scaled_matmul
+
+
+def test_scaled_matmul_says_why_it_cannot_run(jax_gemm, monkeypatch):
+    import jax.numpy as jnp
+
+    def no_build(build_dir=None):
+        raise FileNotFoundError("CUDA runtime and cuBLASLt headers and libraries: not found under []")
+
+    monkeypatch.setattr(jax_gemm, "build", no_build)
+    jax_gemm._load.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"custom call is not available \(FileNotFoundError: CUDA runtime"):
+            jax_gemm.scaled_matmul(jnp.zeros((8, 16), jnp.float8_e4m3fn), jnp.zeros((16, 8), jnp.float8_e4m3fn),
+                                   jnp.float32(1.0), "bfloat16")
+    finally:
+        jax_gemm._load.cache_clear()
