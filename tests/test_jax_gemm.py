@@ -15,11 +15,13 @@ pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JA
 def jax_gemm():
     from keras_fp8.backends import jax_gemm
 
+    before = jax_gemm.enabled()
     yield jax_gemm
-    jax_gemm.set_enabled(True)
+    jax_gemm.set_enabled(before)
 
 
-def test_set_enabled_takes_a_bool(jax_gemm):
+def test_off_by_default_and_set_enabled_takes_a_bool(jax_gemm):
+    assert not jax_gemm.enabled()
     jax_gemm.set_enabled(False)
     assert not jax_gemm.enabled()
     jax_gemm.set_enabled(True)

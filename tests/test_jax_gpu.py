@@ -100,9 +100,10 @@ def test_all_three_gemms_of_every_fp8_layer_are_fp8():
 @pytest.fixture(params=[True, False], ids=["custom_call", "xla_dot"])
 def gemm_way(request):
     """Both ways the backend runs an FP8 product on the GPU."""
+    before = jax_gemm.enabled()
     jax_gemm.set_enabled(request.param)
     yield request.param
-    jax_gemm.set_enabled(True)
+    jax_gemm.set_enabled(before)
 
 
 def test_the_custom_call_is_available():

@@ -10,11 +10,12 @@ with given scales (`keras_fp8.numerics`' quantize and scale rules, Keras on
 JAX), then the three products y, dx and dkernel. The ways:
 
 - `bf16`: the three products in bf16 (no FP8);
-- `custom_call`: what the backend runs (`_gpu_fp8_matmul`): the cuBLASLt
+- `custom_call`: what the backend runs with its custom call enabled
+  (`_gpu_fp8_matmul` after `jax_gemm.set_enabled(True)`): the cuBLASLt
   GEMM of `csrc/lt_gemm.h` as an XLA custom call, scales and bias in the
   epilogue, the forward in fast accumulation, the backward in full;
 - `scale_after`: XLA's own FP8 dot (`_xla_fp8_matmul`, what the backend
-  runs where the custom call does not apply): FP8 operands
+  runs by default and where the custom call does not apply): FP8 operands
   straight into `dot_general`, the product in bf16, then `* scale` in
   float32 and a second rounding;
 - `dequant_one`: the first operand dequantized to float32 with the product
@@ -27,7 +28,7 @@ JAX), then the three products y, dx and dkernel. The ways:
   float32 result cast to bf16;
 - `_hi`: the two backward products with `Precision.HIGHEST` (XLA then
   turns cuBLASLt's fast FP8 accumulation off); `scale_after_hi` is what
-  the backend runs without the custom call.
+  the backend runs by default.
 
 Printed per way: ms per step (median of interleaved samples), the largest
 relative difference of y, dx and dkernel from the float32 emulation
@@ -79,6 +80,11 @@ def main(argv=None):
         raise SystemExit(f"KERAS_BACKEND: expected jax, got {keras.backend.backend()}")
     from keras_fp8 import numerics
     from keras_fp8.backends import jax as jax_backend
+    from keras_fp8.backends import jax_gemm
+
+    # The custom_call way traces the backend with its custom call on; the
+    # others call XLA's product directly.
+    jax_gemm.set_enabled(True)
 
     f32, bf16 = jnp.float32, jnp.bfloat16
 

@@ -124,6 +124,9 @@ def _gpu_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None, precision=None):
     there: None or DEFAULT is cuBLASLt's fast accumulation."""
     if not is_small_dot(a_q.shape[0], a_q.shape[1], b_q.shape[1]) and _custom_call_applies(a_q, b_q, out_dtype):
         fast = precision is None or precision == jax.lax.Precision.DEFAULT
+        # The first operand is written as it is before any transpose of it
+        # (see _fp8_matmul_bwd).
+        a_q = jax.lax.optimization_barrier(a_q)
         return jax_gemm.scaled_matmul(a_q, b_q, scale, out_dtype, bias, fast_accum=fast)
     return _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias, precision)
 
@@ -178,6 +181,14 @@ def _fp8_matmul_bwd(recipe, has_bias, residuals, grad):
     grad = _as_stored(grad)
     (x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, x_proto, kernel_proto,
      bias_proto) = residuals
+    if fp8_gemm_supported() and jax_gemm.enabled():
+        # The backward transposes the saved FP8 operands. Left free, XLA
+        # fuses those transposes into the forward's quantize (reading x
+        # again and keeping x_q and its transpose alive from the forward
+        # on, and, for the output gradient, deriving the row-major copy
+        # from the transposed one): the barrier makes each transpose a copy
+        # of the one-byte array.
+        x_q, kernel_q = jax.lax.optimization_barrier((x_q, kernel_q))
     dx, dkernel, dpending = numerics.fp8_backward(
         grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
         x_proto.dtype, kernel_proto.dtype, matmul=_backward_matmul(),
