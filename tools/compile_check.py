@@ -12,6 +12,7 @@ Where the CUDA toolkit has no cuBLAS headers, pass a folder that has them
 
 import argparse
 import concurrent.futures
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -70,11 +71,9 @@ def main():
         return name, r.returncode, r.stderr
 
     sources = list(extension.SOURCES)
-    try:
-        import jax  # noqa: F401
-
+    if importlib.util.find_spec("jax") is not None:
         sources.append("jax_ffi.cpp")
-    except ImportError:
+    else:
         print("jax_ffi.cpp: skipped (jax not importable)")
     failed = 0
     with concurrent.futures.ThreadPoolExecutor(args.j) as pool:

@@ -37,7 +37,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import warnings
