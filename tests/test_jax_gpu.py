@@ -62,6 +62,15 @@ def _is_fp8(operand_types):
     return all(t in _FP8_TYPES for t in operand_types) and operand_types
 
 
+@pytest.fixture(params=[True, False], ids=["custom_call", "xla_dot"])
+def gemm_way(request):
+    """Both ways the backend runs an FP8 product on the GPU."""
+    before = jax_gemm.enabled()
+    jax_gemm.set_enabled(request.param)
+    yield request.param
+    jax_gemm.set_enabled(before)
+
+
 def _compiled_train_step_text(model, x, upstream):
     import jax
     import jax.numpy as jnp
@@ -77,7 +86,7 @@ def _compiled_train_step_text(model, x, upstream):
     return step.lower(trainable, x).compile().as_text(), step(trainable, x)
 
 
-def test_all_three_gemms_of_every_fp8_layer_are_fp8():
+def test_all_three_gemms_of_every_fp8_layer_are_fp8(gemm_way):
     keras.mixed_precision.set_global_policy("fp8_hybrid")
     model = keras.Sequential([
         keras.Input((256,)),
@@ -95,15 +104,6 @@ def test_all_three_gemms_of_every_fp8_layer_are_fp8():
     # 2 layers x (forward, dx, dW); the first layer's dx is not needed.
     assert len(fp8_lines) >= 5, f"expected >= 5 FP8 GEMMs, found {len(fp8_lines)}"
     assert not other, "GEMMs in bf16/f32 inside an FP8 model:\n" + "\n".join(other)
-
-
-@pytest.fixture(params=[True, False], ids=["custom_call", "xla_dot"])
-def gemm_way(request):
-    """Both ways the backend runs an FP8 product on the GPU."""
-    before = jax_gemm.enabled()
-    jax_gemm.set_enabled(request.param)
-    yield request.param
-    jax_gemm.set_enabled(before)
 
 
 def test_the_custom_call_is_available():
@@ -241,7 +241,6 @@ def test_tiny_products_stay_finite_and_exact():
     # A 4x16 -> 8 layer: its weight-gradient product (16x4 @ 4x8) is below
     # XLA's GEMM rewrite threshold, where XLA's loop emitter would multiply
     # the FP8 operands in FP8 (inf/NaN); keras_fp8 upcasts it instead.
-    import jax
     import jax.numpy as jnp
 
     keras.mixed_precision.set_global_policy("fp8_hybrid[history_len=8]")

@@ -2,13 +2,13 @@
 
 The state updates are `keras_fp8.numerics`' rules on the layer's variables
 (assignments inside `stateless_call` propagate). On an FP8-capable GPU
-(compute capability >= 8.9) the forward and both backward products run
-the cuBLASLt FP8 GEMM torch_ops runs, as an XLA custom call
-(`jax_gemm`: the scales and the bias in the epilogue, one rounding);
-where that is not available, or the shapes are not its, the quantized
-operands go straight into `jax.lax.dot_general` and XLA emits its own
-cuBLASLt FP8 GEMM, scaled in a second pass. Elsewhere the exact emulation
-(`numerics.scaled_matmul`) runs.
+(compute capability >= 8.9) the quantized operands go straight into
+`jax.lax.dot_general`, so XLA emits cuBLASLt FP8 GEMMs for the forward and
+both backward products (the product in the output dtype, scaled in a
+second pass); with `jax_gemm.set_enabled(True)` they run the cuBLASLt FP8
+GEMM torch_ops runs instead, as an XLA custom call (the scales and the
+bias in the epilogue, one rounding), where it applies. Elsewhere the exact
+emulation (`numerics.scaled_matmul`) runs.
 
 A variable cannot be assigned inside a JAX backward pass: the output
 gradient's amax leaves through the cotangent of `grad_amax_pending`, which
