@@ -42,6 +42,7 @@ def test_supports(jax_gemm):
     assert sup((1, 16), (16, 8), e5, e4, "float32")
     assert sup((8, 32), (32, 16), e4, e5, "float16")
     assert not sup((8, 520), (520, 16))  # K not a multiple of 16
+    assert not sup((8, 0), (0, 16))  # no K
     assert not sup((8, 32), (32, 12))  # N not a multiple of 8
     assert not sup((8, 32), (32, 16), e5, e5)  # cuBLASLt has no E5M2 x E5M2
     assert not sup((8, 32), (32, 16), out="int8")

@@ -232,8 +232,8 @@ def available():
 
 def supports(a_q, b_q, out_dtype):
     """Whether `scaled_matmul` takes these operands: 2-D FP8 `(M, K)` and
-    `(K, N)`, not both E5M2, K a multiple of 16, N of 8, a 16- or 32-bit
-    float output."""
+    `(K, N)`, not both E5M2, K a positive multiple of 16, N of 8, a 16- or
+    32-bit float output."""
     if a_q.ndim != 2 or b_q.ndim != 2:
         return False
     if jnp.dtype(a_q.dtype) not in _FP8_DTYPES or jnp.dtype(b_q.dtype) not in _FP8_DTYPES:
@@ -243,7 +243,7 @@ def supports(a_q, b_q, out_dtype):
     k, n = a_q.shape[1], b_q.shape[1]
     if not isinstance(k, int) or not isinstance(n, int):
         return False
-    return k % 16 == 0 and n % 8 == 0 and jnp.dtype(out_dtype) in _OUT_DTYPES
+    return k > 0 and n > 0 and k % 16 == 0 and n % 8 == 0 and jnp.dtype(out_dtype) in _OUT_DTYPES
 
 
 def scaled_matmul(a_q, b_q, scale, out_dtype, bias=None, fast_accum=True, autotune=True):
