@@ -133,3 +133,31 @@ def test_scaled_matmul_says_why_it_cannot_run(jax_gemm, monkeypatch):
                                    jnp.float32(1.0), "bfloat16")
     finally:
         jax_gemm._load.cache_clear()
+
+
+@pytest.mark.parametrize("a_shape,b_shape,a_dtype,b_dtype,out_dtype,bias_shape,match", [
+    ((8, 32), (32, 16), "bfloat16", "float8_e4m3fn", "bfloat16", None,
+     r"a_q: expected float8_e4m3fn or float8_e5m2, got bfloat16"),
+    ((8, 32), (32, 16), "float8_e4m3fn", "float32", "bfloat16", None,
+     r"b_q: expected float8_e4m3fn or float8_e5m2, got float32"),
+    ((8, 32), (32, 16), "float8_e5m2", "float8_e5m2", "bfloat16", None, r"a_q, b_q: expected at most one float8_e5m2"),
+    ((2, 8, 32), (32, 16), "float8_e4m3fn", "float8_e4m3fn", "bfloat16", None, r"a_q, b_q: expected 2-D"),
+    ((8, 32), (48, 16), "float8_e4m3fn", "float8_e4m3fn", "bfloat16", None, r"a_q, b_q: expected the same K"),
+    ((8, 24), (24, 16), "float8_e4m3fn", "float8_e4m3fn", "bfloat16", None,
+     r"a_q, b_q: expected K a positive multiple of 16 and N of 8, got K 24, N 16"),
+    ((8, 32), (32, 12), "float8_e4m3fn", "float8_e4m3fn", "bfloat16", None, r"got K 32, N 12"),
+    ((8, 32), (32, 16), "float8_e4m3fn", "float8_e4m3fn", "int8", None,
+     r"out_dtype: expected bfloat16, float16 or float32, got 'int8'"),
+    ((8, 32), (32, 16), "float8_e4m3fn", "float8_e4m3fn", "no-dtype", None, r"out_dtype: expected bfloat16"),
+    ((8, 32), (32, 16), "float8_e4m3fn", "float8_e4m3fn", "bfloat16", (8,), r"bias: expected shape \(16,\), got \(8,\)"),
+])
+def test_scaled_matmul_names_the_bad_argument(jax_gemm, a_shape, b_shape, a_dtype, b_dtype, out_dtype, bias_shape,
+                                              match):
+    # Checked before anything is built: the same error on any machine.
+    import jax.numpy as jnp
+
+    bias = None if bias_shape is None else jnp.zeros(bias_shape, "bfloat16")
+    with pytest.raises(ValueError, match=match):
+        jax_gemm.scaled_matmul(jnp.zeros(a_shape, a_dtype), jnp.zeros(b_shape, b_dtype), jnp.float32(1.0), out_dtype,
+                               bias)
+    assert not jax_gemm.supports(jnp.zeros(a_shape, a_dtype), jnp.zeros(b_shape, b_dtype), out_dtype) or bias_shape

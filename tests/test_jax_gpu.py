@@ -188,6 +188,15 @@ def test_custom_call_matches_the_emulation(m, k, n, a_fmt, b_fmt, magnitude, out
     assert_gemm_close(got, want, out_dtype)
 
 
+def test_custom_call_takes_an_empty_batch():
+    # M = 0, as a Keras layer takes an empty batch: an empty product, no launch.
+    import jax.numpy as jnp
+
+    out = jax_gemm.scaled_matmul(jnp.zeros((0, 32), jnp.float8_e4m3fn), jnp.zeros((32, 16), jnp.float8_e4m3fn),
+                                 jnp.float32(1.0), "bfloat16", jnp.ones((16,), "bfloat16"))
+    assert out.shape == (0, 16) and out.dtype == jnp.bfloat16
+
+
 def test_fast_accumulation_stays_close():
     import jax.numpy as jnp
 

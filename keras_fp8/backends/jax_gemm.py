@@ -230,20 +230,39 @@ def available():
     return True
 
 
+def _operand_problem(a_q, b_q, out_dtype, bias=None):
+    """Why `scaled_matmul` does not take these operands, as
+    `(argument, message)`, or None when it does."""
+    if a_q.ndim != 2 or b_q.ndim != 2:
+        return "a_q, b_q", f"expected 2-D (M, K) and (K, N), got shapes {a_q.shape} and {b_q.shape}"
+    for name, t in (("a_q", a_q), ("b_q", b_q)):
+        if jnp.dtype(t.dtype) not in _FP8_DTYPES:
+            return name, f"expected float8_e4m3fn or float8_e5m2, got {jnp.dtype(t.dtype).name}"
+    if jnp.dtype(a_q.dtype) == jnp.dtype(b_q.dtype) == jnp.dtype(jnp.float8_e5m2):
+        return "a_q, b_q", "expected at most one float8_e5m2 operand (cuBLASLt has no E5M2 x E5M2), got two"
+    (m, k), (k_b, n) = a_q.shape, b_q.shape
+    if not all(isinstance(v, int) for v in (m, k, k_b, n)):
+        return "a_q, b_q", f"expected static shapes, got {a_q.shape} and {b_q.shape}"
+    if k != k_b:
+        return "a_q, b_q", f"expected the same K, got shapes {a_q.shape} and {b_q.shape}"
+    if k <= 0 or k % 16 or n <= 0 or n % 8:
+        return "a_q, b_q", f"expected K a positive multiple of 16 and N of 8, got K {k}, N {n}"
+    try:
+        out = jnp.dtype(out_dtype)
+    except TypeError:
+        out = None
+    if out not in _OUT_DTYPES:
+        return "out_dtype", f"expected bfloat16, float16 or float32, got {out_dtype!r}"
+    if bias is not None and tuple(bias.shape) != (n,):
+        return "bias", f"expected shape ({n},), got {tuple(bias.shape)}"
+    return None
+
+
 def supports(a_q, b_q, out_dtype):
     """Whether `scaled_matmul` takes these operands: 2-D FP8 `(M, K)` and
     `(K, N)`, not both E5M2, K a positive multiple of 16, N of 8, a 16- or
     32-bit float output."""
-    if a_q.ndim != 2 or b_q.ndim != 2:
-        return False
-    if jnp.dtype(a_q.dtype) not in _FP8_DTYPES or jnp.dtype(b_q.dtype) not in _FP8_DTYPES:
-        return False
-    if jnp.dtype(a_q.dtype) == jnp.dtype(b_q.dtype) == jnp.dtype(jnp.float8_e5m2):
-        return False
-    k, n = a_q.shape[1], b_q.shape[1]
-    if not isinstance(k, int) or not isinstance(n, int):
-        return False
-    return k > 0 and n > 0 and k % 16 == 0 and n % 8 == 0 and jnp.dtype(out_dtype) in _OUT_DTYPES
+    return _operand_problem(a_q, b_q, out_dtype) is None
 
 
 def scaled_matmul(a_q, b_q, scale, out_dtype, bias=None, fast_accum=True, autotune=True):
@@ -265,8 +284,13 @@ def scaled_matmul(a_q, b_q, scale, out_dtype, bias=None, fast_accum=True, autotu
         The `(M, N)` product in `out_dtype`.
 
     Raises:
+        ValueError: operands it does not take (`supports`), naming the
+            argument.
         RuntimeError: where the custom call is not available (`available`).
     """
+    bad = _operand_problem(a_q, b_q, out_dtype, bias)
+    if bad is not None:
+        raise ValueError(f"{bad[0]}: {bad[1]}")
     problem = _load()
     if problem is not None:
         raise RuntimeError(f"keras_fp8: the JAX FP8 GEMM custom call is not available ({problem})")
