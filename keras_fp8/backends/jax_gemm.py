@@ -162,11 +162,12 @@ def build(build_dir=None):
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         partial = pathlib.Path(tmp) / out.name
-        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{src}",
-               f"-I{jax.ffi.include_dir()}"] + [f"-I{d}" for d in dict.fromkeys(includes)] + [
-               str(src / "jax_ffi.cpp"), "-o", str(partial)] + [
-               f"-L{d}" for d in dict.fromkeys(libs)] + [f"-Wl,-rpath,{d}" for d in dict.fromkeys(libs)] + [
-               lib_flag(libs[1], "cublasLt"), lib_flag(libs[0], "cudart")]
+        lib_dirs = list(dict.fromkeys(libs))
+        cmd = ([compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{src}", f"-I{jax.ffi.include_dir()}"]
+               + [f"-I{d}" for d in dict.fromkeys(includes)]
+               + [str(src / "jax_ffi.cpp"), "-o", str(partial)]
+               + [f"-L{d}" for d in lib_dirs] + [f"-Wl,-rpath,{d}" for d in lib_dirs]
+               + [lib_flag(libs[1], "cublasLt"), lib_flag(libs[0], "cudart")])
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"building {out.name} failed:\n{' '.join(cmd)}\n{result.stderr[-4000:]}")
