@@ -14,31 +14,14 @@
 #include <c10/util/Optional.h>
 #include <cuda_runtime.h>
 
+#include "cuda_common.h"
+
 #include <atomic>
 #include <string>
 #include <tuple>
 #include <vector>
 
-#define TORCH_OPS_CUDA_CHECK(expr)                                                                        \
-  do {                                                                                                    \
-    cudaError_t err__ = (expr);                                                                           \
-    TORCH_CHECK(err__ == cudaSuccess, "torch_ops: CUDA error in ", #expr, ": ", cudaGetErrorString(err__), \
-                " (", __FILE__, ":", std::to_string(__LINE__), ")");                                      \
-  } while (0)
-
 namespace torch_ops {
-// Per-device tables (workspaces, cached attributes) hold this many devices;
-// larger indices are looked up on every call.
-constexpr int kMaxDevices = 64;
-
-// FP8 formats as the launches take them.
-constexpr int kE4M3 = 0;
-constexpr int kE5M2 = 1;
-
-// The smallest scale before the margin's factor: the smallest normal float32
-// (torch_ops/reference.py's MIN_SCALE; docs/numerics.md).
-constexpr float kMinScale = 1.17549435082228750797e-38f;  // 2**-126
-
 // "(4, 7)" / "(5,)" as Python prints a shape tuple.
 inline std::string shape_str(const at::Tensor& t) {
   std::string s = "(";
@@ -64,29 +47,6 @@ inline void check_f32_state(const at::Tensor& t, const char* name, const at::Ten
                 std::to_string(numel) + " elements", ", got shape ", shape_str(t));
 }
 
-// `device`'s value of `attr`, looked up once per device (through `cache`:
-// zero until then; devices past kMaxDevices are looked up every call).
-inline int cached_device_attribute(std::atomic<int> (&cache)[kMaxDevices], cudaDeviceAttr attr, int device) {
-  const bool cached = device >= 0 && device < kMaxDevices;
-  int v = cached ? cache[device].load(std::memory_order_relaxed) : 0;
-  if (v == 0) {
-    TORCH_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, device));
-    if (cached) cache[device].store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
-// The SM count of `device`, and its compute capability as major * 10 + minor.
-inline int device_sm_count(int device) {
-  static std::atomic<int> cache[kMaxDevices];
-  return cached_device_attribute(cache, cudaDevAttrMultiProcessorCount, device);
-}
-inline int device_capability(int device) {
-  static std::atomic<int> major[kMaxDevices], minor[kMaxDevices];
-  return 10 * cached_device_attribute(major, cudaDevAttrComputeCapabilityMajor, device) +
-         cached_device_attribute(minor, cudaDevAttrComputeCapabilityMinor, device);
-}
-
 // Makes `t`'s device current for the scope, switching (and switching back)
 // only when it is not current already: a CUDAGuard's set and restore are
 // runtime calls on every launch, host time on the eager path.
@@ -97,40 +57,6 @@ struct DeviceScope {
     TORCH_OPS_CUDA_CHECK(cudaGetDevice(&current));
     if (current != t.get_device()) guard.set_index(t.get_device());
   }
-};
-
-// keras_fp8's gradient channel folded into the gradient's scaling state by
-// one block (fold_block.cuh; torch_ops/reference.py's fold_pending_grad_amax
-// is the reference): reads `pending` and `fold_state`, updates `history`,
-// `scale` and `fold_state` in place and writes the copies `token_out`,
-// `scale_out` and `history_out`. `pending` null: no job.
-struct FoldJob {
-  const float* pending = nullptr;
-  float* fold_state = nullptr;
-  float* history = nullptr;
-  float* scale = nullptr;
-  float* token_out = nullptr;
-  float* scale_out = nullptr;
-  float* history_out = nullptr;
-  int H = 0;
-  int window = 0;
-  float inv_max = 0.0f;
-  float mdiv = 1.0f;  // the margin's factor of the scale, 2**margin
-  int most_recent = 0;
-  int update_scale = 0;
-};
-
-// Work the last block of a quantize launch does after the call's own state
-// update, instead of a launch of its own (linear.cpp: two launches fewer per
-// layer and step on keras_fp8's path):
-//   fold    a FoldJob (the forward's fold of the gradient channel);
-//   emit_n  1 or 3: amax_out receives the gradient-channel value instead of
-//           the amax: a non-finite amax reads 0, and a (3,) channel gets
-//           [amax, *emit_token (0 where null), 0].
-struct QuantizeExtras {
-  FoldJob fold;
-  int emit_n = 0;
-  const float* emit_token = nullptr;
 };
 
 // ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@
 
 #include <cuda_runtime.h>
 
-#include "common.h"
+#include "cuda_common.h"
 #include "fold_block.cuh"
 
 namespace torch_ops {

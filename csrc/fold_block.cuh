@@ -13,7 +13,7 @@
 
 #include <cuda_runtime.h>
 
-#include "common.h"
+#include "cuda_common.h"
 
 namespace torch_ops {
 namespace {
