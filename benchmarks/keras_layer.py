@@ -10,9 +10,10 @@ within each process:
 - `fp8_delayed`, `fp8_current`, `fp8_block`: `keras_fp8.layers.FP8Dense`
   under `fp8_hybrid`, `fp8_hybrid[scaling=current]` and
   `fp8_e4m3[scaling=block]`;
-- `fp8_delayed_custom_call` (JAX only): `fp8_delayed` traced with the
-  backend's cuBLASLt custom call on (`jax_gemm.set_enabled(True)`; the
-  other variants run XLA's own FP8 dot, the default).
+- `fp8_delayed_xla` (JAX only): `fp8_delayed` traced with the backend's
+  custom calls off (`jax_gemm.set_enabled(False)`: XLA's quantize fusions
+  and FP8 dot; the other variants run the fused quantize and GEMM custom
+  calls, the default).
 
 One step is the layer's forward on a bf16 x (training=True) and the
 backward of a random bf16 output gradient, giving dx and the kernel's
@@ -44,17 +45,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import timing  # noqa: E402
 
-VARIANTS = ["dense_bf16", "fp8_delayed", "fp8_current", "fp8_block", "fp8_delayed_custom_call"]
-JAX_ONLY = ("fp8_delayed_custom_call",)
+VARIANTS = ["dense_bf16", "fp8_delayed", "fp8_current", "fp8_block", "fp8_delayed_xla"]
+JAX_ONLY = ("fp8_delayed_xla",)
 POLICIES = {
     "dense_bf16": "mixed_bfloat16",
     "fp8_delayed": "fp8_hybrid",
     "fp8_current": "fp8_hybrid[scaling=current]",
     "fp8_block": "fp8_e4m3[scaling=block]",
-    "fp8_delayed_custom_call": "fp8_hybrid",
+    "fp8_delayed_xla": "fp8_hybrid",
 }
 LABELS = {"dense_bf16": "Dense bf16", "fp8_delayed": "FP8Dense delayed", "fp8_current": "FP8Dense current",
-          "fp8_block": "FP8Dense block", "fp8_delayed_custom_call": "FP8Dense delayed, custom call"}
+          "fp8_block": "FP8Dense block", "fp8_delayed_xla": "FP8Dense delayed, XLA fusions + dot"}
 SHAPES = "16384x4096x14336"
 DRY_RUN_SHAPES = "64x128x256"
 
@@ -163,14 +164,14 @@ def _jax_steps(layers, m, k, n):
         jitted = jax.jit(fwd_bwd)
         cache = {}
 
-        def lazy_compiled(jitted=jitted, trainable=trainable, state=state, cache=cache, custom_call=v in JAX_ONLY):
+        def lazy_compiled(jitted=jitted, trainable=trainable, state=state, cache=cache, xla_way=v in JAX_ONLY):
             # Compiled once ahead of time: the memory analysis and the steps
             # share the executable.
             if "exe" not in cache:
                 from keras_fp8.backends import jax_gemm
 
                 before = jax_gemm.enabled()
-                jax_gemm.set_enabled(custom_call or before)
+                jax_gemm.set_enabled(before and not xla_way)
                 try:
                     cache["exe"] = jitted.lower(trainable, state[0], x, g).compile()
                 finally:
@@ -268,9 +269,9 @@ def worker(args):
 
 # --------------------------------------------------------------------------- table
 HEADER = ("| backend | M x K x N | Dense bf16 | FP8Dense delayed | FP8Dense current | FP8Dense block "
-          "| FP8Dense delayed, custom call | delayed / bf16 | current / bf16 | block / bf16 | custom call / bf16 |")
+          "| FP8Dense delayed, XLA fusions + dot | delayed / bf16 | current / bf16 | block / bf16 | XLA way / bf16 |")
 MEM_HEADER = ("| backend | M x K x N | Dense bf16 | FP8Dense delayed | FP8Dense current | FP8Dense block "
-              "| FP8Dense delayed, custom call | delayed / bf16 |")
+              "| FP8Dense delayed, XLA fusions + dot | delayed / bf16 |")
 
 
 def _sep(h):
@@ -286,7 +287,7 @@ def tables(per_process, args=None):
         backend, shape = row.split(" ", 1)
         cells = [res.ms(row, v) for v in VARIANTS]
         cells += [res.ratio(row, v, "dense_bf16") for v in ("fp8_delayed", "fp8_current", "fp8_block",
-                                                              "fp8_delayed_custom_call")]
+                                                              "fp8_delayed_xla")]
         out.append(f"| {backend} | {shape.replace('x', ' x ')} | " + " | ".join(cells) + " |")
     out += ["", "Step memory, GiB above the resident tensors (torch: max_memory_allocated; JAX: the compiled "
             "step's temporaries + outputs); ratio fp8 / bf16:", "", MEM_HEADER, _sep(MEM_HEADER)]

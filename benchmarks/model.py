@@ -83,8 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="steps per fit call (the first is not timed)")
     p.add_argument("--no-memory", dest="memory", action="store_false")
-    p.add_argument("--jax-custom-call", action="store_true",
-                   help="JAX: the FP8 products by the backend's cuBLASLt custom call (jax_gemm.set_enabled(True))")
+    p.add_argument("--jax-xla-fp8", action="store_true",
+                   help="JAX: XLA's quantize fusions and FP8 dot instead of the backend's custom calls "
+                        "(jax_gemm.set_enabled(False))")
     p.add_argument("--dry-run", action="store_true", help="CPU, the tiny size, one round")
     timing.add_process_arguments(p)
     args = p.parse_args(argv)
@@ -402,7 +403,7 @@ def worker(args):
 
         from keras_fp8.backends import jax_gemm
 
-        jax_gemm.set_enabled(args.jax_custom_call)
+        jax_gemm.set_enabled(not args.jax_xla_fp8)
 
         cuda = jax.devices()[0].platform == "gpu" and not args.dry_run
     env = timing.environment()

@@ -20,8 +20,8 @@ def jax_gemm():
     jax_gemm.set_enabled(before)
 
 
-def test_off_by_default_and_set_enabled_takes_a_bool(jax_gemm):
-    assert not jax_gemm.enabled()
+def test_on_by_default_and_set_enabled_takes_a_bool(jax_gemm):
+    assert jax_gemm.enabled()
     jax_gemm.set_enabled(False)
     assert not jax_gemm.enabled()
     jax_gemm.set_enabled(True)
@@ -161,3 +161,148 @@ def test_scaled_matmul_names_the_bad_argument(jax_gemm, a_shape, b_shape, a_dtyp
         jax_gemm.scaled_matmul(jnp.zeros(a_shape, a_dtype), jnp.zeros(b_shape, b_dtype), jnp.float32(1.0), out_dtype,
                                bias)
     assert not jax_gemm.supports(jnp.zeros(a_shape, a_dtype), jnp.zeros(b_shape, b_dtype), out_dtype) or bias_shape
+
+
+# --------------------------------------------------------------------------- the fused quantize custom call
+def test_cuda_arch_names_what_nvcc_builds(jax_gemm):
+    assert jax_gemm.cuda_arch("9.0") == "90a"
+    assert jax_gemm.cuda_arch("8.9") == "89"
+    assert jax_gemm.cuda_arch("10.0") == "100"
+
+
+def test_nvcc_is_taken_from_a_toolkit_with_the_runtime_headers(jax_gemm, tmp_path):
+    wheel = tmp_path / "site-packages" / "nvidia" / "cu13"
+    toolkit = tmp_path / "cuda"
+    for root in (wheel, toolkit):
+        (root / "bin").mkdir(parents=True)
+        (root / "bin" / "nvcc").write_text("")
+        (root / "include").mkdir()
+    # The wheel's include folder lacks crt/: its nvcc cannot compile alone.
+    assert jax_gemm._find_nvcc([wheel, toolkit]) is None
+    (toolkit / "include" / "crt").mkdir()
+    (toolkit / "include" / "crt" / "host_config.h").write_text("")
+    assert jax_gemm._find_nvcc([wheel, toolkit]) == toolkit / "bin" / "nvcc"
+
+
+def test_the_sources_of_both_custom_calls_are_found(jax_gemm):
+    folder = jax_gemm.source_dir()
+    for name in jax_gemm.SOURCES + jax_gemm.QUANTIZE_SOURCES:
+        assert (folder / name).is_file(), name
+
+
+@pytest.mark.parametrize("shape,dtype,fmt,mode,history_shape,match", [
+    ((2, 8, 32), "bfloat16", "e4m3", "given", None, r"x: expected a 2-D array"),
+    ((8, 32), "int8", "e4m3", "given", None, r"x: expected bfloat16, float16 or float32, got int8"),
+    ((8, 32), "bfloat16", "e4m4", "given", None, r"fmt: expected one of \['e4m3', 'e5m2'\], got 'e4m4'"),
+    ((8, 32), "bfloat16", "e4m3", "dynamic", None, r"scale_mode: expected one of"),
+    ((8, 32), "bfloat16", "e4m3", "delayed", None, r"history: expected a non-empty 1-D amax history"),
+    ((8, 32), "bfloat16", "e4m3", "delayed", (0,), r"history: expected a non-empty 1-D amax history"),
+])
+def test_quantize_names_the_bad_argument(jax_gemm, shape, dtype, fmt, mode, history_shape, match):
+    import jax.numpy as jnp
+
+    history = None if history_shape is None else jnp.zeros(history_shape, "float32")
+    with pytest.raises(ValueError, match=match):
+        jax_gemm.quantize(jnp.ones(shape, dtype), jnp.float32(1.0), fmt, mode, history)
+
+
+def test_quantize_says_why_it_cannot_run(jax_gemm, monkeypatch):
+    import jax.numpy as jnp
+
+    def no_build(build_dir=None, arch=None):
+        raise FileNotFoundError("nvcc with the CUDA runtime headers: not found under []")
+
+    monkeypatch.setattr(jax_gemm, "build_quantize", no_build)
+    monkeypatch.setattr(jax_gemm.quantize_available, "_warned", False, raising=False)
+    jax_gemm._load_quantize.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"quantize custom call is not available \(FileNotFoundError: nvcc"):
+            jax_gemm.quantize(jnp.ones((8, 32), "bfloat16"), jnp.float32(1.0), "e4m3", "current")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert not jax_gemm.quantize_available()
+            assert not jax_gemm.quantize_available()
+        assert len(caught) == 1 and "XLA's fusions instead" in str(caught[0].message)
+    finally:
+        jax_gemm._load_quantize.cache_clear()
+
+
+def test_the_fused_path_stays_off_off_an_fp8_gpu(jax_gemm):
+    import jax.numpy as jnp
+
+    from keras_fp8 import recipes
+    from keras_fp8.backends import jax as jax_backend
+
+    if jax_backend.fp8_gemm_supported():
+        pytest.skip("an FP8 GPU: tests/test_jax_gpu.py covers the fused path")
+    jax_gemm.set_enabled(True)
+    assert not jax_backend._fused_applies(jnp.ones((64, 64)), jnp.ones((64, 64)), recipes.DelayedScaling())
+
+
+def test_the_fused_path_computes_what_the_emulation_computes(jax_gemm, monkeypatch):
+    # The fused custom_vjp's plumbing on any machine: with the two custom
+    # calls stood in for by numerics (their GPU tests hold them to it), one
+    # compiled train step of a model gives the emulation path's output,
+    # gradients and recorded state, bit for bit.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import keras_fp8
+    from keras_fp8 import numerics
+    from keras_fp8 import recipes
+    from keras_fp8.backends import jax as jax_backend
+
+    if jax_backend.fp8_gemm_supported():
+        pytest.skip("an FP8 GPU runs the layers below the FP8 threshold in the compute dtype; "
+                    "tests/test_jax_gpu.py covers the fused path")
+    calls = []
+
+    def quantize(x, scale, fmt, scale_mode="given", history=None, margin=0.0):
+        calls.append(scale_mode)
+        amax = numerics.compute_amax(x)
+        if scale_mode == "current":
+            used = numerics.compute_scale(amax, scale, fmt, margin)
+        elif scale_mode == "delayed":
+            used, _, _ = numerics.delayed_scale_update(amax, history, scale, fmt, recipes.DelayedScaling(margin=margin),
+                                                       record=False)
+        else:
+            used = scale
+        q = numerics.quantize(x, used, fmt)
+        return q, jnp.transpose(q), amax, used
+
+    def matmul_nt(a_q, b_t, scale, out_dtype, bias=None, fast_accum=True):
+        return numerics.scaled_matmul(a_q, jnp.transpose(b_t), scale, out_dtype, bias)
+
+    def train_step(fused):
+        monkeypatch.setattr(jax_backend, "_fused_applies", lambda x, kernel, recipe: fused)
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((64,)), keras_fp8.layers.FP8Dense(48, use_bias=True),
+                                  keras_fp8.layers.FP8Dense(32, use_bias=False)])
+        trainable = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+        x = jnp.asarray(np.random.default_rng(1).normal(size=(96, 64)), "float32")
+
+        def loss(trainable, non_trainable):
+            outs = []
+            for _ in range(2):  # two calls: the second one with a recorded history
+                y, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+                outs.append(jnp.sum(jnp.square(y.astype("float32"))))
+            return outs[0] + outs[1], non_trainable
+
+        (value, state), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable, non_trainable)
+        return [np.asarray(t) for t in [value, *state, *grads]]
+
+    monkeypatch.setattr(jax_gemm, "quantize", quantize)
+    monkeypatch.setattr(jax_gemm, "scaled_matmul_nt", matmul_nt)
+    for policy in ("fp8_hybrid", "fp8_hybrid[scaling=current]"):
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            calls.clear()
+            fused = train_step(True)
+            assert len(calls) == 12  # traced once: two calls of two layers, three operands each
+            emulated = train_step(False)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        for got, want in zip(fused, emulated):
+            assert got.tobytes() == want.tobytes()

@@ -21,6 +21,8 @@ import sysconfig
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The JAX custom calls' entries (keras_fp8/backends/jax_gemm.py).
+JAX_SOURCES = ["jax_ffi.cpp", "jax_quantize.cu"]
 
 
 def main():
@@ -62,9 +64,11 @@ def main():
     def compile_jax_ffi(name):
         # The JAX custom call's entry: host C++ against JAX's FFI headers
         # (keras_fp8/backends/jax_gemm.py builds it the same way).
+        # jax_quantize.cu: the quantize kernels with nvcc, for every target.
         import jax
 
-        cmd = ["g++", "-O3", "-std=c++17", "-fPIC", f"-I{ROOT / 'csrc'}", "-isystem", str(jax.ffi.include_dir()),
+        base = nvcc if name.endswith(".cu") else ["g++", "-O3", "-std=c++17", "-fPIC"]
+        cmd = base + [f"-I{ROOT / 'csrc'}", "-isystem", str(jax.ffi.include_dir()),
                f"-I{cuda_home}/include"] + [f"-I{d}" for d in args.include] + [
                "-c", str(ROOT / "csrc" / name), "-o", str(out_dir / (name + ".o"))]
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -72,12 +76,12 @@ def main():
 
     sources = list(extension.SOURCES)
     if importlib.util.find_spec("jax") is not None:
-        sources.append("jax_ffi.cpp")
+        sources += JAX_SOURCES
     else:
-        print("jax_ffi.cpp: skipped (jax not importable)")
+        print(f"{', '.join(JAX_SOURCES)}: skipped (jax not importable)")
     failed = 0
     with concurrent.futures.ThreadPoolExecutor(args.j) as pool:
-        for name, rc, err in pool.map(lambda n: compile_jax_ffi(n) if n == "jax_ffi.cpp" else compile_one(n), sources):
+        for name, rc, err in pool.map(lambda n: compile_jax_ffi(n) if n in JAX_SOURCES else compile_one(n), sources):
             status = "ok" if rc == 0 else "FAILED"
             print(f"{name}: {status}")
             if rc != 0:

@@ -15,10 +15,8 @@
 #   5  quality_seed1: bf16 and delayed at seed 1 (~5 min; their gaps beside
 #      seed 0's: `quality.py --across-seeds A,B`)
 #   6  probe: tools/jax_fp8_dot_probe.py, every way (~4 min)
-#   7  custom_call: the JAX decoder with the backend's cuBLASLt custom call
-#      (model.py --jax-custom-call), then with XLA's command buffers off
-#      both ways (~5 min: does the custom call lose on the decoder because
-#      it ends XLA's CUDA graphs?)
+#   7  model_xla: the JAX decoder with the backend's custom calls off
+#      (model.py --jax-xla-fp8: XLA's quantize fusions and FP8 dot; ~2 min)
 # or the single parts by name. A run stops starting work SECONDS after it
 # began (default 570; GPU_BENCH_SECONDS=...): each part gets at most its own
 # limit and what is left, and passes it on as its scripts' --time-budget, so
@@ -88,20 +86,15 @@ part() {
     quality_seed1) run quality_seed1 560 env KERAS_BACKEND=jax python3 benchmarks/quality.py --size gpu --seed 1 \
         --recipes bf16,delayed --time-budget @BUDGET@ --json "$log_dir/quality_gpu_seed1.json" ;;
     probe) run probe 240 python3 tools/jax_fp8_dot_probe.py --hlo-dir /tmp/jax_fp8_dot_hlo ;;
-    model_cc) run model_custom_call 150 python3 benchmarks/model.py --processes 3 --backends jax --jax-custom-call \
+    model_xla) run model_xla_fp8 150 python3 benchmarks/model.py --processes 3 --backends jax --jax-xla-fp8 \
         --time-budget @BUDGET@ --process-timeout 100 ;;
-    model_nocb) run model_no_command_buffers 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 \
-        benchmarks/model.py --processes 3 --backends jax --time-budget @BUDGET@ --process-timeout 100 ;;
-    model_cc_nocb) run model_custom_call_no_command_buffers 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
-        python3 benchmarks/model.py --processes 3 --backends jax --jax-custom-call --time-budget @BUDGET@ \
-        --process-timeout 100 ;;
     1) part build; part linear; part quantize; part layer; part small ;;
     2) part build; part model ;;
     3) part quality ;;
     4) part quality_block ;;
     5) part quality_seed1 ;;
     6) part probe ;;
-    7) part model_cc; part model_nocb; part model_cc_nocb ;;
+    7) part model_xla ;;
     *) echo "unknown part $1" | tee -a "$log_dir/summary.txt" ;;
   esac
 }

@@ -5,10 +5,13 @@ The state updates are `keras_fp8.numerics`' rules on the layer's variables
 (compute capability >= 8.9) the quantized operands go straight into
 `jax.lax.dot_general`, so XLA emits cuBLASLt FP8 GEMMs for the forward and
 both backward products (the product in the output dtype, scaled in a
-second pass); with `jax_gemm.set_enabled(True)` they run the cuBLASLt FP8
-GEMM torch_ops runs instead, as an XLA custom call (the scales and the
-bias in the epilogue, one rounding), where it applies. Elsewhere the exact
-emulation (`numerics.scaled_matmul`) runs.
+second pass). By default (`jax_gemm.enabled()`) a layer runs torch_ops's
+fused quantize and cuBLASLt FP8 GEMM instead, as XLA custom calls (one
+read of each operand for both layouts and the amax; the scales and the
+bias in the GEMM's epilogue, one rounding), where they apply
+(`_fused_applies`; products they do not take run XLA's dot, or the GEMM
+custom call alone where it applies). Elsewhere the exact emulation
+(`numerics.scaled_matmul`) runs.
 
 A variable cannot be assigned inside a JAX backward pass: the output
 gradient's amax leaves through the cotangent of `grad_amax_pending`, which
@@ -51,10 +54,12 @@ def fp8_gemm_supported():
 
 
 def prepare_device(tensor):
-    """Builds and checks the custom call (`jax_gemm.available`) in eager
-    code, on an FP8 GPU, so that the first traced product does not."""
+    """Builds and checks the custom calls (`jax_gemm.available`,
+    `jax_gemm.quantize_available`) in eager code, on an FP8 GPU, so that
+    the first traced product does not."""
     if fp8_gemm_supported() and jax_gemm.enabled():
         jax_gemm.available()
+        jax_gemm.quantize_available()
 
 
 def default_min_gemm_size(x):
@@ -159,6 +164,15 @@ def _as_stored(x):
     return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
+def _bias_grad(grad, has_bias, bias_proto):
+    """The bias gradient: summed in float32, rounded to the output's dtype
+    (as the torch backend's fused bias rounds it); a placeholder without
+    a bias."""
+    if not has_bias:
+        return jnp.zeros((), bias_proto.dtype)
+    return jnp.sum(grad.astype(jnp.float32), axis=0).astype(grad.dtype).astype(bias_proto.dtype)
+
+
 # `bias` is a `(N,)` tensor where `has_bias`, else an unused placeholder.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
 def _fp8_matmul(x, kernel, bias, pending, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
@@ -193,12 +207,7 @@ def _fp8_matmul_bwd(recipe, has_bias, residuals, grad):
         grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
         x_proto.dtype, kernel_proto.dtype, matmul=_backward_matmul(),
     )
-    # The bias gradient: summed in float32, rounded to the output's dtype
-    # (as the torch backend's fused bias rounds it).
-    if has_bias:
-        dbias = jnp.sum(grad.astype(jnp.float32), axis=0).astype(grad.dtype).astype(bias_proto.dtype)
-    else:
-        dbias = jnp.zeros((), bias_proto.dtype)
+    dbias = _bias_grad(grad, has_bias, bias_proto)
     zeros = jnp.zeros_like
     return (dx, dkernel, dbias, dpending, zeros(x_scale), zeros(kernel_scale), zeros(grad_scale),
             zeros(grad_history), zeros(emit_token))
@@ -265,11 +274,7 @@ def _block_fp8_matmul_bwd(recipe, has_bias, saved, grad):
     residuals, emit_token, (x_proto, kernel_proto, bias_proto) = saved
     dx, dkernel, dpending = numerics.block_backward(grad, residuals, emit_token, recipe, x_proto.dtype,
                                                     kernel_proto.dtype, matmul=_block_matmul_impl())
-    if has_bias:
-        dbias = jnp.sum(grad.astype(jnp.float32), axis=0).astype(grad.dtype).astype(bias_proto.dtype)
-    else:
-        dbias = jnp.zeros((), bias_proto.dtype)
-    return dx, dkernel, dbias, dpending, jnp.zeros_like(emit_token)
+    return dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending, jnp.zeros_like(emit_token)
 
 
 _block_fp8_matmul.defvjp(_block_fp8_matmul_fwd, _block_fp8_matmul_bwd)
@@ -283,6 +288,105 @@ def _block_matmul_call(layer, x, kernel, bias, recipe, training):
     bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
     return _block_fp8_matmul(x, kernel, bias_value, compat.raw_value(layer.grad_amax_pending),
                              ops.stop_gradient(emit_token), recipe, has_bias)
+
+
+# --------------------------------------------------------------------------- the fused path (custom calls)
+def _scale_mode(recipe):
+    """The quantize custom call's scale mode of a per-tensor recipe."""
+    return "current" if isinstance(recipe, recipes.CurrentScaling) else "delayed"
+
+
+def _fused_applies(x, kernel, recipe):
+    """Whether a layer's product runs the fused path (`_fused_fp8_matmul`):
+    the custom calls enabled and available, no Keras distribution (as
+    `_custom_call_applies`), M, K and N positive multiples of 16 (each is
+    the contraction of one of the three GEMMs), not a small dot, 16- or
+    32-bit float operands, and no E5M2 x E5M2 product."""
+    if not (jax_gemm.enabled() and fp8_gemm_supported() and keras.distribution.distribution() is None):
+        return False
+    if isinstance(recipe, recipes.BlockScaling) or recipes.E5M2 == recipe.forward_format:
+        return False
+    m, k = x.shape
+    n = kernel.shape[1]
+    if not all(isinstance(v, int) and v > 0 and v % 16 == 0 for v in (m, k, n)) or is_small_dot(m, k, n):
+        return False
+    floats = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+    if jnp.dtype(x.dtype) not in floats or jnp.dtype(kernel.dtype) not in floats:
+        return False
+    return jax_gemm.available() and jax_gemm.quantize_available()
+
+
+def _fused_forward(x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history, recipe, has_bias):
+    fmt, mode = recipe.forward_format, _scale_mode(recipe)
+    x_q, x_q_t, x_amax, x_used = jax_gemm.quantize(x, x_scale, fmt, mode, x_history, recipe.margin)
+    kernel_q, kernel_q_t, kernel_amax, kernel_used = jax_gemm.quantize(kernel, kernel_scale, fmt, mode,
+                                                                       kernel_history, recipe.margin)
+    y = jax_gemm.scaled_matmul_nt(x_q, kernel_q_t, ops.multiply(x_used, kernel_used), x.dtype,
+                                  bias if has_bias else None, fast_accum=True)
+    return (y, x_amax, kernel_amax, x_used, kernel_used), (x_q_t, kernel_q, x_used, kernel_used)
+
+
+# The fused path: `numerics.fp8_forward` and `fp8_backward`'s products with
+# the scales `numerics.operand_scale` and `backward_scale` pick, by the
+# custom calls. Each quantize writes both layouts its operand's GEMMs read,
+# so nothing is transposed in the program, and returns the amax and the
+# scale it used; the state update stays with `numerics` (`_fused_call`).
+# Returns `(y, x_amax, kernel_amax, x_scale_used, kernel_scale_used)`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
+def _fused_fp8_matmul(x, kernel, bias, pending, x_scale, x_history, kernel_scale, kernel_history, grad_scale,
+                      grad_history, emit_token, recipe, has_bias):
+    outputs, _ = _fused_forward(x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history, recipe, has_bias)
+    return outputs
+
+
+def _fused_fp8_matmul_fwd(x, kernel, bias, pending, x_scale, x_history, kernel_scale, kernel_history, grad_scale,
+                          grad_history, emit_token, recipe, has_bias):
+    outputs, saved = _fused_forward(x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history, recipe,
+                                    has_bias)
+    state = (x_scale, x_history, kernel_scale, kernel_history, grad_scale, grad_history, emit_token)
+    protos = (jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype), jnp.zeros((), bias.dtype))
+    return outputs, (saved, state, protos)
+
+
+def _fused_fp8_matmul_bwd(recipe, has_bias, residuals, cotangents):
+    grad = _as_stored(cotangents[0])
+    (x_q_t, kernel_q, x_used, kernel_used), state, (x_proto, kernel_proto, bias_proto) = residuals
+    grad_scale, grad_history, emit_token = state[4:]
+    grad_q, grad_q_t, amax, used = jax_gemm.quantize(grad, grad_scale, recipe.backward_format, _scale_mode(recipe),
+                                                     grad_history, recipe.margin)
+    dx = jax_gemm.scaled_matmul_nt(grad_q, kernel_q, ops.multiply(used, kernel_used), x_proto.dtype,
+                                   fast_accum=False)
+    dkernel = jax_gemm.scaled_matmul_nt(x_q_t, grad_q_t, ops.multiply(x_used, used), kernel_proto.dtype,
+                                        fast_accum=False)
+    finite_amax = jnp.where(jnp.isfinite(amax), amax, jnp.zeros_like(amax))
+    dpending = jnp.stack([finite_amax, emit_token.astype(jnp.float32), jnp.zeros_like(amax)])
+    return (dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending) + tuple(jnp.zeros_like(v) for v in state)
+
+
+_fused_fp8_matmul.defvjp(_fused_fp8_matmul_fwd, _fused_fp8_matmul_bwd)
+
+
+def _fused_call(layer, x, kernel, bias, recipe, training):
+    """`fp8_matmul` by the fused path: the custom calls quantize with the
+    scales `numerics.operand_scale` would pick and return the amaxes, which
+    `numerics.operand_scale` then records (training)."""
+    roles = ("input", "kernel")
+    histories = [getattr(layer, f"{role}_amax_history").value for role in roles]
+    scales = [getattr(layer, f"{role}_scale").value for role in roles]
+    grad_history, grad_scale, emit_token = _fold_grad_state(layer, recipe, training)
+    has_bias = bias is not None
+    bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
+    y, x_amax, kernel_amax, _, _ = _fused_fp8_matmul(
+        x, kernel, bias_value, compat.raw_value(layer.grad_amax_pending), scales[0], histories[0], scales[1],
+        histories[1], ops.stop_gradient(grad_scale), ops.stop_gradient(grad_history), ops.stop_gradient(emit_token),
+        recipe, has_bias)
+    if training:
+        for role, amax, history, scale in zip(roles, (x_amax, kernel_amax), histories, scales):
+            _, new_history, new_scale = numerics.operand_scale(ops.stop_gradient(amax), history, scale,
+                                                               recipe.forward_format, recipe, record=True)
+            getattr(layer, f"{role}_amax_history").assign(new_history)
+            getattr(layer, f"{role}_scale").assign(new_scale)
+    return y
 
 
 # --------------------------------------------------------------------------- per-tensor scaling
@@ -304,6 +408,8 @@ def fp8_matmul(layer, x, kernel, bias, recipe, training):
     x = _as_stored(x)
     if recipe.name == "block":
         return _block_matmul_call(layer, x, kernel, bias, recipe, training)
+    if _fused_applies(x, kernel, recipe):
+        return _fused_call(layer, x, kernel, bias, recipe, training)
     x_scale = _operand_scale(layer, "input", x, recipe.forward_format, recipe, training)
     kernel_scale = _operand_scale(layer, "kernel", kernel, recipe.forward_format, recipe, training)
     grad_history, grad_scale, emit_token = _fold_grad_state(layer, recipe, training)

@@ -1,30 +1,33 @@
-"""The JAX backend's FP8 GEMM as an XLA custom call (`csrc/jax_ffi.cpp`),
-off unless enabled.
+"""The JAX backend's custom calls, on by default: the FP8 GEMM
+(`csrc/jax_ffi.cpp`) and the fused FP8 quantize (`csrc/jax_quantize.cu`).
 
 XLA's own FP8 `dot_general` writes its product in the output dtype and
 multiplies by the scale in a second pass: two roundings and one more read
 and write of every output. The custom call runs the cuBLASLt GEMM that
 torch_ops runs (`csrc/lt_gemm.h`): the two scales and the bias in the
 epilogue, one rounding, no second pass, and the torch backend's algorithm
-choice. On one H200 it makes the Keras layer at 16384 x 4096 x 14336
-faster (1.48x of bf16 against 1.35x with XLA's dot) and its step smaller,
-but the decoder benchmark's `model.fit` step slower (147.3 against 143.5
-ms) and larger: so it is an opt-in (`set_enabled(True)`) until that is
-understood. docs/design.md, "Execution paths"; docs/benchmarks.md.
+choice. docs/design.md, "Execution paths"; docs/benchmarks.md has what
+the two ways measure (`set_enabled(False)` keeps XLA's way).
 
-The library is compiled on first use (a C++ compiler, the CUDA runtime and
-cuBLASLt headers: the `nvidia-*` wheels JAX's CUDA plugin installs, or a
-CUDA toolkit), cached under `~/.cache/keras_fp8/jax_ffi/`, registered with
-XLA and checked once on a small product against the exact emulation. Where
-any of that fails, a one-time warning names why and the backend keeps
-XLA's FP8 dot (`available()` is False).
+The quantize custom call runs torch_ops's fused quantize kernels
+(`csrc/quantize_kernels.cuh`): one read of the input writes the FP8 array,
+its transpose, the amax and the scale used, where XLA needs separate
+fusions for the quantize, each transpose and the amax.
+
+The GEMM library is compiled on first use (a C++ compiler, the CUDA runtime
+and cuBLASLt headers: the `nvidia-*` wheels JAX's CUDA plugin installs, or
+a CUDA toolkit), the quantize library with nvcc for the GPU's architecture;
+both are cached under `~/.cache/keras_fp8/jax_ffi/`, registered with XLA
+and checked once against the exact emulation. Where any of that fails, a
+one-time warning names why and the backend keeps XLA's FP8 dot
+(`available()` is False) or XLA's quantize (`quantize_available()`).
 
 Example:
 
 ```python
 from keras_fp8.backends import jax_gemm
 
-jax_gemm.set_enabled(True)   # for functions traced from now on
+jax_gemm.set_enabled(False)   # XLA's fusions and FP8 dot, for functions traced from now on
 ```
 """
 
@@ -47,6 +50,10 @@ import numpy as np
 
 TARGET = "keras_fp8_scaled_gemm"
 SOURCES = ("jax_ffi.cpp", "lt_gemm.h")
+QUANTIZE_TARGET = "keras_fp8_quantize"
+QUANTIZE_SOURCES = ("jax_quantize.cu", "quantize_kernels.cuh", "cuda_common.h", "finalize.cuh", "fold_block.cuh")
+# The quantize kernels' scale modes (csrc/quantize_kernels.cuh).
+SCALE_MODES = {"given": 0, "delayed": 1, "current": 2}
 # fp8lt::kWorkspaceBytes (csrc/lt_gemm.h): the workspace XLA allocates for
 # each call (a buffer of its own, reused across calls).
 WORKSPACE_BYTES = 32 << 20
@@ -54,13 +61,14 @@ _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.fl
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 _lock = threading.Lock()
-_enabled = False
+_enabled = True
 
 
 def set_enabled(enabled):
-    """Whether FP8 products on the GPU run the custom call or XLA's FP8
-    `dot_general` (the default), for functions traced from now on (a
-    compiled step keeps the way it was traced with).
+    """Whether FP8 layers on the GPU run the custom calls (the quantize
+    and the GEMM; the default) or XLA's fusions and FP8 `dot_general`,
+    for functions traced from now on (a compiled step keeps the way it was
+    traced with).
 
     Args:
         enabled: bool.
@@ -72,23 +80,24 @@ def set_enabled(enabled):
 
 
 def enabled():
-    """Whether `set_enabled` leaves the custom call on."""
+    """Whether the custom calls are on (`set_enabled`)."""
     return _enabled
 
 
 def source_dir():
     """The folder holding `csrc/` (a source checkout's top level, or the
     installed wheel's `torch_ops/csrc`), found without importing torch."""
+    names = SOURCES + QUANTIZE_SOURCES
     here = pathlib.Path(__file__).resolve().parents[2] / "csrc"
-    if all((here / name).is_file() for name in SOURCES):
+    if all((here / name).is_file() for name in names):
         return here
     spec = importlib.util.find_spec("torch_ops")
     if spec is not None and spec.submodule_search_locations:
         for location in spec.submodule_search_locations:
             for candidate in (pathlib.Path(location) / "csrc", pathlib.Path(location).parent / "csrc"):
-                if all((candidate / name).is_file() for name in SOURCES):
+                if all((candidate / name).is_file() for name in names):
                     return candidate
-    raise FileNotFoundError(f"csrc/: expected {', '.join(SOURCES)} beside keras_fp8 or in torch_ops/csrc")
+    raise FileNotFoundError(f"csrc/: expected {', '.join(names)} beside keras_fp8 or in torch_ops/csrc")
 
 
 def _cuda_roots():
@@ -132,12 +141,7 @@ def build(build_dir=None):
         The path of the shared library.
     """
     src = source_dir()
-    digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((src / name).read_bytes())
-    digest.update(jax.__version__.encode())
-    root = pathlib.Path(build_dir) if build_dir else pathlib.Path.home() / ".cache" / "keras_fp8" / "jax_ffi"
-    out = root / f"libkeras_fp8_jax_{digest.hexdigest()[:16]}.so"
+    out = _library_path(build_dir, "libkeras_fp8_jax", [src / name for name in SOURCES])
     if out.is_file():
         return out
     roots = _cuda_roots()
@@ -159,20 +163,87 @@ def build(build_dir=None):
         plain = folder / f"lib{stem}.so"
         return f"-l{stem}" if plain.exists() else f"-l:{sorted(folder.glob(f'lib{stem}.so.*'))[0].name}"
 
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
+    lib_dirs = list(dict.fromkeys(libs))
+    return _compile(out, lambda partial: (
+        [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{src}", f"-I{jax.ffi.include_dir()}"]
+        + [f"-I{d}" for d in dict.fromkeys(includes)]
+        + [str(src / "jax_ffi.cpp"), "-o", str(partial)]
+        + [f"-L{d}" for d in lib_dirs] + [f"-Wl,-rpath,{d}" for d in lib_dirs]
+        + [lib_flag(libs[1], "cublasLt"), lib_flag(libs[0], "cudart")]))
+
+
+def _library_path(build_dir, stem, sources, *extra):
+    """Where the library built from `sources` (and `extra` strings) with
+    this jaxlib lives: a name per content, so a change rebuilds it."""
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.read_bytes())
+    for value in (jax.__version__, *extra):
+        digest.update(str(value).encode())
+    root = pathlib.Path(build_dir) if build_dir else pathlib.Path.home() / ".cache" / "keras_fp8" / "jax_ffi"
+    return root / f"{stem}_{digest.hexdigest()[:16]}.so"
+
+
+def _compile(out, command):
+    """Runs `command(partial_path)` and moves the result to `out` (so that
+    a concurrent or interrupted build never leaves half a library there)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = pathlib.Path(tmp) / out.name
-        lib_dirs = list(dict.fromkeys(libs))
-        cmd = ([compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{src}", f"-I{jax.ffi.include_dir()}"]
-               + [f"-I{d}" for d in dict.fromkeys(includes)]
-               + [str(src / "jax_ffi.cpp"), "-o", str(partial)]
-               + [f"-L{d}" for d in lib_dirs] + [f"-Wl,-rpath,{d}" for d in lib_dirs]
-               + [lib_flag(libs[1], "cublasLt"), lib_flag(libs[0], "cudart")])
+        cmd = command(partial)
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"building {out.name} failed:\n{' '.join(cmd)}\n{result.stderr[-4000:]}")
         os.replace(partial, out)
     return out
+
+
+def cuda_arch(capability):
+    """nvcc's architecture name for a compute capability string (`"9.0"`
+    -> `"90a"`, the Hopper features the kernels use; `"8.9"` -> `"89"`)."""
+    major, minor = (int(v) for v in str(capability).split(".")[:2])
+    return f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+
+
+def _find_nvcc(roots):
+    """The first nvcc whose toolkit also has the runtime headers it needs
+    (`crt/`): a toolkit, or the `nvidia-cuda-nvcc` wheel beside a full
+    include folder."""
+    ordered = [r for r in roots if "site-packages" not in str(r)] + [r for r in roots if "site-packages" in str(r)]
+    for root in ordered:
+        nvcc = root / "bin" / "nvcc"
+        if nvcc.is_file() and (root / "include" / "crt" / "host_config.h").is_file():
+            return nvcc
+    return None
+
+
+def build_quantize(build_dir=None, arch=None):
+    """Compiles the quantize custom call's library with nvcc for `arch`
+    (once per source, jaxlib version and architecture) and returns its path.
+
+    Args:
+        build_dir: Where to build; default `~/.cache/keras_fp8/jax_ffi`.
+        arch: nvcc's architecture name (`cuda_arch`); default: the first
+            JAX device's.
+
+    Returns:
+        The path of the shared library.
+    """
+    if arch is None:
+        arch = cuda_arch(jax.devices()[0].compute_capability)
+    src = source_dir()
+    out = _library_path(build_dir, "libkeras_fp8_jax_quantize", [src / name for name in QUANTIZE_SOURCES], arch)
+    if out.is_file():
+        return out
+    roots = _cuda_roots()
+    nvcc = _find_nvcc(roots)
+    if nvcc is None:
+        raise FileNotFoundError(f"nvcc with the CUDA runtime headers: not found under {[str(r) for r in roots]}")
+    # No --use_fast_math: the quantize's reciprocal must be IEEE (byte-exact).
+    return _compile(out, lambda partial: (
+        [str(nvcc), "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-w", "--expt-relaxed-constexpr",
+         f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-I{src}", f"-I{jax.ffi.include_dir()}",
+         str(src / "jax_quantize.cu"), "-o", str(partial)]))
 
 
 def _register(path):
@@ -300,8 +371,31 @@ def scaled_matmul(a_q, b_q, scale, out_dtype, bias=None, fast_accum=True, autotu
 
 def _call(a_q, b_q, scale, out_dtype, bias, fast_accum, autotune=True):
     """`scaled_matmul` once the target is registered."""
+    return _call_nt(a_q, jnp.transpose(b_q), scale, out_dtype, bias, fast_accum, autotune)
+
+
+def scaled_matmul_nt(a_q, b_t, scale, out_dtype, bias=None, fast_accum=True, autotune=True):
+    """`scaled_matmul` with the second operand given transposed, `(N, K)`,
+    as the GEMM reads it (no transpose in the program: the fused quantize
+    writes both layouts).
+
+    Raises:
+        ValueError, RuntimeError: as `scaled_matmul`.
+    """
+    if b_t.ndim != 2:
+        raise ValueError(f"b_t: expected a 2-D (N, K) array, got shape {b_t.shape}")
+    bad = _operand_problem(a_q, jax.ShapeDtypeStruct(b_t.shape[::-1], b_t.dtype), out_dtype, bias)
+    if bad is not None:
+        raise ValueError(f"{bad[0].replace('b_q', 'b_t')}: {bad[1]}")
+    problem = _load()
+    if problem is not None:
+        raise RuntimeError(f"keras_fp8: the JAX FP8 GEMM custom call is not available ({problem})")
+    return _call_nt(a_q, b_t, scale, out_dtype, bias, fast_accum, autotune)
+
+
+def _call_nt(a_q, b_t, scale, out_dtype, bias, fast_accum, autotune=True):
     out_dtype = jnp.dtype(out_dtype)
-    m, n = a_q.shape[0], b_q.shape[1]
+    m, n = a_q.shape[0], b_t.shape[0]
     # The epilogue adds a bias in the 16-bit output type; a float32 output
     # gets it added after (exact: the same float32 sum).
     fused_bias = bias is not None and out_dtype.itemsize == 2
@@ -310,8 +404,147 @@ def _call(a_q, b_q, scale, out_dtype, bias, fast_accum, autotune=True):
         TARGET,
         (jax.ShapeDtypeStruct((m, n), out_dtype), jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
         vmap_method="sequential",
-    )(a_q, jnp.transpose(b_q), jnp.asarray(scale, jnp.float32).reshape(()), jnp.ones((), jnp.float32),
+    )(a_q, b_t, jnp.asarray(scale, jnp.float32).reshape(()), jnp.ones((), jnp.float32),
       bias_operand, fast_accum=np.int32(fast_accum), autotune=np.int32(autotune), has_bias=np.int32(fused_bias))
     if bias is not None and not fused_bias:
         out = (out + bias.astype(jnp.float32)).astype(out_dtype)
     return out
+
+
+# --------------------------------------------------------------------------- the fused quantize
+_IN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _register_quantize(path):
+    library = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(QUANTIZE_TARGET, jax.ffi.pycapsule(library.KerasFp8Quantize), platform="CUDA")
+    return library
+
+
+def _self_test_quantize():
+    """The quantize custom call against the exact emulation on a ragged
+    array: the same bytes, amax and scale, for a delayed first call (the
+    scale seeded from the amax) and a given scale."""
+    from keras_fp8 import numerics
+    from keras_fp8 import recipes
+
+    rng = np.random.default_rng(0)
+    with jax.ensure_compile_time_eval():
+        x = jnp.asarray(rng.normal(size=(96, 80)) * 7.0, jnp.bfloat16)
+        history = jnp.zeros((4,), jnp.float32)
+        state = jnp.float32(1.0)
+        run = jax.jit(_quantize_call, static_argnums=(2, 3, 5))
+        q, q_t, amax, used = run(x, state, "e4m3", "delayed", history, 0.0)
+        want_used, _, _ = numerics.delayed_scale_update(numerics.compute_amax(x), history, state, "e4m3",
+                                                         recipes.DelayedScaling(), record=False)
+        checks = [("amax", amax, numerics.compute_amax(x)), ("scale_used", used, want_used),
+                  ("q", q, numerics.quantize(x, want_used, "e4m3")),
+                  ("q_t", q_t, jnp.transpose(numerics.quantize(x, want_used, "e4m3")))]
+        q, _, _, _ = run(x, jnp.float32(0.25), "e5m2", "given", history, 0.0)
+        checks.append(("q (given scale)", q, numerics.quantize(x, jnp.float32(0.25), "e5m2")))
+        for name, got, want in checks:
+            got, want = np.asarray(got), np.asarray(want)
+            if got.tobytes() != want.tobytes():
+                raise RuntimeError(f"the quantize custom call's {name} differs from the emulation")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_quantize():
+    """Builds, registers and checks the quantize library once; returns None
+    or the reason it is not used."""
+    try:
+        with _lock:
+            _register_quantize(build_quantize())
+        _self_test_quantize()
+    except Exception as e:  # any failure leaves XLA's quantize in place
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def quantize_available():
+    """True when the quantize custom call is built, registered and checked
+    (the first call does that; a failure warns once and returns False)."""
+    problem = _load_quantize()
+    if problem is not None:
+        if not getattr(quantize_available, "_warned", False):
+            quantize_available._warned = True
+            warnings.warn(f"keras_fp8: the JAX FP8 quantize custom call is not available "
+                          f"({problem.splitlines()[0]}); FP8 layers quantize with XLA's fusions instead.",
+                          stacklevel=2)
+        return False
+    return True
+
+
+def _quantize_problem(x, fmt, scale_mode, history):
+    """Why `quantize` does not take these arguments, as `(argument,
+    message)`, or None when it does."""
+    from keras_fp8 import recipes
+
+    if x.ndim != 2 or not all(isinstance(v, int) for v in x.shape):
+        return "x", f"expected a 2-D array of static shape, got shape {x.shape}"
+    if jnp.dtype(x.dtype) not in _IN_DTYPES:
+        return "x", f"expected bfloat16, float16 or float32, got {jnp.dtype(x.dtype).name}"
+    if fmt not in recipes.FORMAT_DTYPE:
+        return "fmt", f"expected one of {sorted(recipes.FORMAT_DTYPE)}, got {fmt!r}"
+    if scale_mode not in SCALE_MODES:
+        return "scale_mode", f"expected one of {sorted(SCALE_MODES)}, got {scale_mode!r}"
+    if scale_mode == "delayed" and (history is None or history.ndim != 1 or history.shape[0] < 1):
+        shape = None if history is None else history.shape
+        return "history", f"expected a non-empty 1-D amax history for delayed scaling, got {shape}"
+    return None
+
+
+def quantize(x, scale, fmt, scale_mode="given", history=None, margin=0.0):
+    """Quantizes a 2-D array to FP8 in one pass by the custom call: the
+    bytes of `numerics.quantize` with the scale `scale_mode` picks, in
+    both layouts, with the amax.
+
+    Args:
+        x: `(R, C)` bfloat16, float16 or float32 array.
+        scale: float32 scalar: the scale (`"given"`), the state's scale
+            (`"delayed"`) or the fallback where the amax is not usable
+            (`"current"`).
+        fmt: `"e4m3"` or `"e5m2"`.
+        scale_mode: `"given"`, `"delayed"` (`scale` unless `history` is
+            empty, then seeded from this amax: `numerics.delayed_scale_update`)
+            or `"current"` (`numerics.compute_scale(amax, scale)`).
+        history: The `(H,)` amax history (`"delayed"` only; not updated).
+        margin: The recipe's scale margin.
+
+    Returns:
+        `(q, q_t, amax, scale_used)`: `q` `(R, C)` and `q_t` `(C, R)` in
+        the format's dtype, the float32 amax of `x` and the scale used.
+
+    Raises:
+        ValueError: arguments it does not take, naming the argument.
+        RuntimeError: where the custom call is not available.
+
+    Example:
+
+    ```python
+    q, q_t, amax, scale = jax_gemm.quantize(x, state_scale, "e4m3", "delayed", history)
+    ```
+    """
+    bad = _quantize_problem(x, fmt, scale_mode, history)
+    if bad is not None:
+        raise ValueError(f"{bad[0]}: {bad[1]}")
+    problem = _load_quantize()
+    if problem is not None:
+        raise RuntimeError(f"keras_fp8: the JAX FP8 quantize custom call is not available ({problem})")
+    return _quantize_call(x, scale, fmt, scale_mode, history, margin)
+
+
+def _quantize_call(x, scale, fmt, scale_mode, history, margin):
+    from keras_fp8 import recipes
+
+    r, c = x.shape
+    dtype = jnp.dtype(recipes.FORMAT_DTYPE[fmt])
+    if history is None:
+        history = jnp.zeros((1,), jnp.float32)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    return jax.ffi.ffi_call(
+        QUANTIZE_TARGET,
+        (jax.ShapeDtypeStruct((r, c), dtype), jax.ShapeDtypeStruct((c, r), dtype), scalar, scalar),
+        vmap_method="sequential",
+    )(x, jnp.asarray(scale, jnp.float32).reshape(()), jnp.asarray(history, jnp.float32),
+      scale_mode=np.int32(SCALE_MODES[scale_mode]), mdiv=np.float32(2.0 ** float(margin)))
