@@ -82,6 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds: a recipe is not started where less is left than the longest one took")
     p.add_argument("--dry-run", action="store_true", help="the tiny size")
+    p.add_argument("--jax-xla-fp8", action="store_true",
+                   help="JAX: XLA's quantize fusions and FP8 dot instead of the backend's custom calls "
+                        "(jax_gemm.set_enabled(False))")
     p.add_argument("--baseline-json", default=None,
                    help="take the bf16 run from this earlier --json file (same size and seed) instead of training "
                         "it again; bf16 must then be left out of --recipes")
@@ -453,6 +456,10 @@ def main(argv=None):
 
     import keras_fp8  # noqa: F401 (registers the FP8 policies)
 
+    if keras.backend.backend() == "jax":
+        from keras_fp8.backends import jax_gemm
+
+        jax_gemm.set_enabled(not args.jax_xla_fp8)
     text, source = corpus_bytes(args.corpus)
     train_text, val_text = split(text)
     x, y, xv, yv = batches(args, train_text, val_text)

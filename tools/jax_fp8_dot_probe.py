@@ -10,12 +10,14 @@ with given scales (`keras_fp8.numerics`' quantize and scale rules, Keras on
 JAX), then the three products y, dx and dkernel. The ways:
 
 - `bf16`: the three products in bf16 (no FP8);
-- `custom_call`: what the backend runs with its custom call enabled
-  (`_gpu_fp8_matmul` after `jax_gemm.set_enabled(True)`): the cuBLASLt
+- `custom_call`: the backend's GEMM custom call on given scales (the
+  products of its fused path, `_gpu_fp8_matmul` with the custom calls
+  enabled, their default): the cuBLASLt
   GEMM of `csrc/lt_gemm.h` as an XLA custom call, scales and bias in the
   epilogue, the forward in fast accumulation, the backward in full;
 - `scale_after`: XLA's own FP8 dot (`_xla_fp8_matmul`, what the backend
-  runs by default and where the custom call does not apply): FP8 operands
+  runs after `jax_gemm.set_enabled(False)` and where the custom call does
+  not apply): FP8 operands
   straight into `dot_general`, the product in bf16, then `* scale` in
   float32 and a second rounding;
 - `dequant_one`: the first operand dequantized to float32 with the product
