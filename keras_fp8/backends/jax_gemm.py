@@ -360,13 +360,18 @@ def scaled_matmul(a_q, b_q, scale, out_dtype, bias=None, fast_accum=True, autotu
             argument.
         RuntimeError: where the custom call is not available (`available`).
     """
-    bad = _operand_problem(a_q, b_q, out_dtype, bias)
+    _check_call(_operand_problem(a_q, b_q, out_dtype, bias))
+    return _call(a_q, b_q, scale, out_dtype, bias, fast_accum, autotune)
+
+
+def _check_call(bad):
+    """Raises for `bad` (an `(argument, message)` or None), then where the
+    GEMM custom call cannot be loaded."""
     if bad is not None:
         raise ValueError(f"{bad[0]}: {bad[1]}")
     problem = _load()
     if problem is not None:
         raise RuntimeError(f"keras_fp8: the JAX FP8 GEMM custom call is not available ({problem})")
-    return _call(a_q, b_q, scale, out_dtype, bias, fast_accum, autotune)
 
 
 def _call(a_q, b_q, scale, out_dtype, bias, fast_accum, autotune=True):
@@ -385,11 +390,7 @@ def scaled_matmul_nt(a_q, b_t, scale, out_dtype, bias=None, fast_accum=True, aut
     if b_t.ndim != 2:
         raise ValueError(f"b_t: expected a 2-D (N, K) array, got shape {b_t.shape}")
     bad = _operand_problem(a_q, jax.ShapeDtypeStruct(b_t.shape[::-1], b_t.dtype), out_dtype, bias)
-    if bad is not None:
-        raise ValueError(f"{bad[0].replace('b_q', 'b_t')}: {bad[1]}")
-    problem = _load()
-    if problem is not None:
-        raise RuntimeError(f"keras_fp8: the JAX FP8 GEMM custom call is not available ({problem})")
+    _check_call(None if bad is None else (bad[0].replace("b_q", "b_t"), bad[1]))
     return _call_nt(a_q, b_t, scale, out_dtype, bias, fast_accum, autotune)
 
 
