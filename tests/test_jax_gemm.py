@@ -163,6 +163,18 @@ def test_scaled_matmul_names_the_bad_argument(jax_gemm, a_shape, b_shape, a_dtyp
     assert not jax_gemm.supports(jnp.zeros(a_shape, a_dtype), jnp.zeros(b_shape, b_dtype), out_dtype) or bias_shape
 
 
+@pytest.mark.parametrize("b_t_shape, match", [
+    ((16, 32, 1), r"b_t: expected a 2-D \(N, K\) array"),
+    ((16, 48), r"b_t"),  # K of b_t (48) is not a_q's (32)
+])
+def test_scaled_matmul_nt_names_the_bad_argument(jax_gemm, b_t_shape, match):
+    import jax.numpy as jnp
+
+    with pytest.raises(ValueError, match=match):
+        jax_gemm.scaled_matmul_nt(jnp.zeros((8, 32), "float8_e4m3fn"), jnp.zeros(b_t_shape, "float8_e4m3fn"),
+                                  jnp.float32(1.0), "bfloat16")
+
+
 # --------------------------------------------------------------------------- the fused quantize custom call
 def test_cuda_arch_names_what_nvcc_builds(jax_gemm):
     assert jax_gemm.cuda_arch("9.0") == "90a"
