@@ -167,6 +167,7 @@ def main(rank, port, out_dir):
         results[name] = run(rank, name, engine, options)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+    os._exit(0)  # past the interpreter's shutdown, which has aborted gloo runs once all was done
 
 
 if __name__ == "__main__":
