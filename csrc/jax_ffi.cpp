@@ -21,9 +21,11 @@
 #include <string>
 
 #include "lt_gemm.h"
+#include "jax_ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using keras_fp8_ffi::dims_str;
 
 namespace {
 
@@ -46,13 +48,6 @@ bool out_data_type(ffi::DataType t, cudaDataType_t* out) {
     case ffi::DataType::F32: *out = CUDA_R_32F; return true;
     default: return false;
   }
-}
-
-std::string dims_str(const ffi::AnyBuffer& b) {
-  std::string s = "(";
-  const auto dims = b.dimensions();
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + (dims.size() == 1 ? ",)" : ")");
 }
 
 ffi::Error ScaledGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,

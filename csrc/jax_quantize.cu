@@ -24,9 +24,11 @@
 #include <utility>
 
 #include "quantize_kernels.cuh"
+#include "jax_ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using keras_fp8_ffi::dims_str;
 
 namespace {
 
@@ -46,13 +48,6 @@ unsigned* stream_workspace(int device, cudaStream_t stream) {
     ws = static_cast<unsigned*>(p);
   }
   return ws;
-}
-
-std::string dims_str(const ffi::AnyBuffer& b) {
-  std::string s = "(";
-  const auto dims = b.dimensions();
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + (dims.size() == 1 ? ",)" : ")");
 }
 
 ffi::Error QuantizeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale_in,

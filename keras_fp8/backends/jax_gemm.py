@@ -49,9 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "keras_fp8_scaled_gemm"
-SOURCES = ("jax_ffi.cpp", "lt_gemm.h")
+SOURCES = ("jax_ffi.cpp", "jax_ffi_util.h", "lt_gemm.h")
 QUANTIZE_TARGET = "keras_fp8_quantize"
-QUANTIZE_SOURCES = ("jax_quantize.cu", "quantize_kernels.cuh", "cuda_common.h", "finalize.cuh", "fold_block.cuh")
+QUANTIZE_SOURCES = ("jax_quantize.cu", "jax_ffi_util.h", "quantize_kernels.cuh", "cuda_common.h", "finalize.cuh",
+                    "fold_block.cuh")
 # The quantize kernels' scale modes (csrc/quantize_kernels.cuh).
 SCALE_MODES = {"given": 0, "delayed": 1, "current": 2}
 # fp8lt::kWorkspaceBytes (csrc/lt_gemm.h): the workspace XLA allocates for
