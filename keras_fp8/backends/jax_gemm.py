@@ -293,14 +293,20 @@ def _load():
 def available():
     """True when the custom call is built, registered and checked (the
     first call does that; a failure warns once and returns False)."""
-    problem = _load()
-    if problem is not None:
-        if not getattr(available, "_warned", False):
-            available._warned = True
-            warnings.warn(f"keras_fp8: the JAX FP8 GEMM custom call is not available ({problem.splitlines()[0]}); "
-                          "FP8 products run XLA's FP8 dot instead.", stacklevel=2)
-        return False
-    return True
+    return _usable(available, _load(), "GEMM", "FP8 products run XLA's FP8 dot instead")
+
+
+def _usable(owner, problem, what, instead):
+    """True where `problem` (a loader's result) is None; otherwise warns
+    once per `owner` that the `what` custom call is not available and what
+    runs `instead`, and returns False."""
+    if problem is None:
+        return True
+    if not getattr(owner, "_warned", False):
+        owner._warned = True
+        warnings.warn(f"keras_fp8: the JAX FP8 {what} custom call is not available ({problem.splitlines()[0]}); "
+                      f"{instead}.", stacklevel=3)
+    return False
 
 
 def _operand_problem(a_q, b_q, out_dtype, bias=None):
@@ -361,18 +367,19 @@ def scaled_matmul(a_q, b_q, scale, out_dtype, bias=None, fast_accum=True, autotu
             argument.
         RuntimeError: where the custom call is not available (`available`).
     """
-    _check_call(_operand_problem(a_q, b_q, out_dtype, bias))
+    _check_call(_operand_problem(a_q, b_q, out_dtype, bias), _load, "GEMM")
     return _call(a_q, b_q, scale, out_dtype, bias, fast_accum, autotune)
 
 
-def _check_call(bad):
-    """Raises for `bad` (an `(argument, message)` or None), then where the
-    GEMM custom call cannot be loaded."""
+def _check_call(bad, load, what):
+    """Raises for `bad` (an `(argument, message)` or None), then where
+    `load` (`_load`, `_load_quantize`) says the `what` custom call cannot
+    be loaded."""
     if bad is not None:
         raise ValueError(f"{bad[0]}: {bad[1]}")
-    problem = _load()
+    problem = load()
     if problem is not None:
-        raise RuntimeError(f"keras_fp8: the JAX FP8 GEMM custom call is not available ({problem})")
+        raise RuntimeError(f"keras_fp8: the JAX FP8 {what} custom call is not available ({problem})")
 
 
 def _call(a_q, b_q, scale, out_dtype, bias, fast_accum, autotune=True):
@@ -391,7 +398,7 @@ def scaled_matmul_nt(a_q, b_t, scale, out_dtype, bias=None, fast_accum=True, aut
     if b_t.ndim != 2:
         raise ValueError(f"b_t: expected a 2-D (N, K) array, got shape {b_t.shape}")
     bad = _operand_problem(a_q, jax.ShapeDtypeStruct(b_t.shape[::-1], b_t.dtype), out_dtype, bias)
-    _check_call(None if bad is None else (bad[0].replace("b_q", "b_t"), bad[1]))
+    _check_call(None if bad is None else (bad[0].replace("b_q", "b_t"), bad[1]), _load, "GEMM")
     return _call_nt(a_q, b_t, scale, out_dtype, bias, fast_accum, autotune)
 
 
@@ -466,15 +473,7 @@ def _load_quantize():
 def quantize_available():
     """True when the quantize custom call is built, registered and checked
     (the first call does that; a failure warns once and returns False)."""
-    problem = _load_quantize()
-    if problem is not None:
-        if not getattr(quantize_available, "_warned", False):
-            quantize_available._warned = True
-            warnings.warn(f"keras_fp8: the JAX FP8 quantize custom call is not available "
-                          f"({problem.splitlines()[0]}); FP8 layers quantize with XLA's fusions instead.",
-                          stacklevel=2)
-        return False
-    return True
+    return _usable(quantize_available, _load_quantize(), "quantize", "FP8 layers quantize with XLA's fusions instead")
 
 
 def _quantize_problem(x, fmt, scale_mode, history):
@@ -527,12 +526,7 @@ def quantize(x, scale, fmt, scale_mode="given", history=None, margin=0.0):
     q, q_t, amax, scale = jax_gemm.quantize(x, state_scale, "e4m3", "delayed", history)
     ```
     """
-    bad = _quantize_problem(x, fmt, scale_mode, history)
-    if bad is not None:
-        raise ValueError(f"{bad[0]}: {bad[1]}")
-    problem = _load_quantize()
-    if problem is not None:
-        raise RuntimeError(f"keras_fp8: the JAX FP8 quantize custom call is not available ({problem})")
+    _check_call(_quantize_problem(x, fmt, scale_mode, history), _load_quantize, "quantize")
     return _quantize_call(x, scale, fmt, scale_mode, history, margin)
 
 
