@@ -342,13 +342,20 @@ def fp8_forward(x, kernel, x_scale, kernel_scale, recipe, bias=None, matmul=scal
     return y, x_q, kernel_q
 
 
+def pending_cotangent(amax, emit_token):
+    """The gradient channel's value a backward pass returns for the output
+    gradient's `amax`: `[amax (0 where not finite), emit_token, 0]`."""
+    finite_amax = ops.where(ops.isfinite(amax), amax, ops.zeros_like(amax))
+    return ops.stack([finite_amax, ops.cast(emit_token, "float32"), ops.zeros_like(amax)])
+
+
 def fp8_backward(grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe, x_dtype,
                  kernel_dtype, matmul=scaled_matmul):
     """The backward pass: one quantized gradient for both gradient matmuls.
 
     Returns:
-        `(dx, dkernel, dpending)`, `dpending = [amax of the gradient (0 where
-        not finite), emit_token, 0]`: the gradient channel's value.
+        `(dx, dkernel, dpending)`, `dpending` the gradient channel's value
+        (`pending_cotangent`).
     """
     fmt = recipe.backward_format
     amax = compute_amax(grad)
@@ -356,9 +363,7 @@ def fp8_backward(grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_hi
     grad_q = quantize(grad, scale, fmt)
     dx = matmul(grad_q, ops.transpose(kernel_q), ops.multiply(scale, kernel_scale), x_dtype)
     dkernel = matmul(ops.transpose(x_q), grad_q, ops.multiply(x_scale, scale), kernel_dtype)
-    finite_amax = ops.where(ops.isfinite(amax), amax, ops.zeros_like(amax))
-    dpending = ops.stack([finite_amax, ops.cast(emit_token, "float32"), ops.zeros_like(amax)])
-    return dx, dkernel, dpending
+    return dx, dkernel, pending_cotangent(amax, emit_token)
 
 
 # --------------------------------------------------------------------------- block scaling
@@ -517,6 +522,4 @@ def block_backward(grad, residuals, emit_token, recipe, x_dtype, kernel_dtype, m
     g_qc, g_sc = quantize_tiles(grad, fmt, 0, margin, pow2)
     dkernel = matmul(ops.transpose(x_qc), ops.transpose(x_sc), g_qc, g_sc, kernel_dtype, b_tiles=True)
     amax = compute_amax(grad)
-    finite_amax = ops.where(ops.isfinite(amax), amax, ops.zeros_like(amax))
-    dpending = ops.stack([finite_amax, ops.cast(emit_token, "float32"), ops.zeros_like(amax)])
-    return dx, dkernel, dpending
+    return dx, dkernel, pending_cotangent(amax, emit_token)

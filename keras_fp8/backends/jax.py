@@ -96,13 +96,17 @@ def is_small_dot(m, k, n):
     return m * k + k * n < max(SMALL_DOT_ELEMENTS, _rewrite_size_threshold())
 
 
+def _custom_calls_allowed():
+    """Whether `jax_gemm`'s custom calls may run here: enabled, an FP8 GPU,
+    and no Keras distribution (XLA's SPMD partitioner knows how to split its
+    own dot, not a custom call: it would gather the operands)."""
+    return jax_gemm.enabled() and fp8_gemm_supported() and keras.distribution.distribution() is None
+
+
 def _custom_call_applies(a_q, b_q, out_dtype):
-    """Whether this product runs `jax_gemm`'s custom call: enabled and
-    available, shapes it takes, and no Keras distribution (XLA's SPMD
-    partitioner knows how to split its own dot, not a custom call: it would
-    gather the operands)."""
-    return (jax_gemm.enabled() and fp8_gemm_supported() and jax_gemm.supports(a_q, b_q, out_dtype)
-            and keras.distribution.distribution() is None and jax_gemm.available())
+    """Whether this product runs `jax_gemm`'s GEMM custom call: allowed
+    (`_custom_calls_allowed`), shapes it takes, and available."""
+    return _custom_calls_allowed() and jax_gemm.supports(a_q, b_q, out_dtype) and jax_gemm.available()
 
 
 def _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None, precision=None):
@@ -298,11 +302,11 @@ def _scale_mode(recipe):
 
 def _fused_applies(x, kernel, recipe):
     """Whether a layer's product runs the fused path (`_fused_fp8_matmul`):
-    the custom calls enabled and available, no Keras distribution (as
-    `_custom_call_applies`), M, K and N positive multiples of 16 (each is
-    the contraction of one of the three GEMMs), not a small dot, 16- or
-    32-bit float operands, and no E5M2 x E5M2 product."""
-    if not (jax_gemm.enabled() and fp8_gemm_supported() and keras.distribution.distribution() is None):
+    the custom calls allowed (`_custom_calls_allowed`) and available, M, K
+    and N positive multiples of 16 (each is the contraction of one of the
+    three GEMMs), not a small dot, 16- or 32-bit float operands, and no
+    E5M2 x E5M2 product."""
+    if not _custom_calls_allowed():
         return False
     if isinstance(recipe, recipes.BlockScaling) or recipes.E5M2 == recipe.forward_format:
         return False
@@ -358,8 +362,7 @@ def _fused_fp8_matmul_bwd(recipe, has_bias, residuals, cotangents):
                                    fast_accum=False)
     dkernel = jax_gemm.scaled_matmul_nt(x_q_t, grad_q_t, ops.multiply(x_used, used), kernel_proto.dtype,
                                         fast_accum=False)
-    finite_amax = jnp.where(jnp.isfinite(amax), amax, jnp.zeros_like(amax))
-    dpending = jnp.stack([finite_amax, emit_token.astype(jnp.float32), jnp.zeros_like(amax)])
+    dpending = numerics.pending_cotangent(amax, emit_token)
     return (dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending) + tuple(jnp.zeros_like(v) for v in state)
 
 
@@ -381,20 +384,22 @@ def _fused_call(layer, x, kernel, bias, recipe, training):
         histories[1], ops.stop_gradient(grad_scale), ops.stop_gradient(grad_history), ops.stop_gradient(emit_token),
         recipe, has_bias)
     if training:
-        for role, amax, history, scale in zip(roles, (x_amax, kernel_amax), histories, scales):
-            _, new_history, new_scale = numerics.operand_scale(ops.stop_gradient(amax), history, scale,
-                                                               recipe.forward_format, recipe, record=True)
-            getattr(layer, f"{role}_amax_history").assign(new_history)
-            getattr(layer, f"{role}_scale").assign(new_scale)
+        for role, amax in zip(roles, (x_amax, kernel_amax)):
+            _record_scale(layer, role, ops.stop_gradient(amax), recipe.forward_format, recipe, training)
     return y
 
 
 # --------------------------------------------------------------------------- per-tensor scaling
 def _operand_scale(layer, role, x, fmt, recipe, training):
     """The scale quantizing operand `role`; records its amax when training."""
+    return _record_scale(layer, role, numerics.compute_amax(ops.stop_gradient(x)), fmt, recipe, training)
+
+
+def _record_scale(layer, role, amax, fmt, recipe, training):
+    """`numerics.operand_scale` for operand `role`'s `amax` on the layer's
+    state, which it updates when training; returns the scale used."""
     history = getattr(layer, f"{role}_amax_history")
     scale = getattr(layer, f"{role}_scale")
-    amax = numerics.compute_amax(ops.stop_gradient(x))
     scale_used, new_history, new_scale = numerics.operand_scale(
         amax, history.value, scale.value, fmt, recipe, record=training)
     if training:
