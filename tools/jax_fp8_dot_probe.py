@@ -12,14 +12,13 @@ JAX), then the three products y, dx and dkernel. The ways:
 - `bf16`: the three products in bf16 (no FP8);
 - `custom_call`: the backend's GEMM custom call on given scales (the
   products of its fused path, `_gpu_fp8_matmul` with the custom calls
-  enabled, their default): the cuBLASLt
-  GEMM of `csrc/lt_gemm.h` as an XLA custom call, scales and bias in the
-  epilogue, the forward in fast accumulation, the backward in full;
+  enabled, their default): the cuBLASLt GEMM of `csrc/lt_gemm.h` as an
+  XLA custom call, scales and bias in the epilogue, the forward in fast
+  accumulation, the backward in full;
 - `scale_after`: XLA's own FP8 dot (`_xla_fp8_matmul`, what the backend
   runs after `jax_gemm.set_enabled(False)` and where the custom call does
-  not apply): FP8 operands
-  straight into `dot_general`, the product in bf16, then `* scale` in
-  float32 and a second rounding;
+  not apply): FP8 operands straight into `dot_general`, the product in
+  bf16, then `* scale` in float32 and a second rounding;
 - `dequant_one`: the first operand dequantized to float32 with the product
   of the two scales (`q.astype(f32) * scale`), the second only converted,
   and a `dot_general` with a bf16 result: the dequantize-then-dot pattern
