@@ -180,6 +180,9 @@ def test_cuda_arch_names_what_nvcc_builds(jax_gemm):
     assert jax_gemm.cuda_arch("9.0") == "90a"
     assert jax_gemm.cuda_arch("8.9") == "89"
     assert jax_gemm.cuda_arch("10.0") == "100"
+    for bad in ("9", "sm_90", "9.0.1", ""):
+        with pytest.raises(ValueError, match=r"capability: expected 'major.minor'"):
+            jax_gemm.cuda_arch(bad)
 
 
 def test_nvcc_is_taken_from_a_toolkit_with_the_runtime_headers(jax_gemm, tmp_path):

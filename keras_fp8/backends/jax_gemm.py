@@ -201,8 +201,15 @@ def _compile(out, command):
 
 def cuda_arch(capability):
     """nvcc's architecture name for a compute capability string (`"9.0"`
-    -> `"90a"`, the Hopper features the kernels use; `"8.9"` -> `"89"`)."""
-    major, minor = (int(v) for v in str(capability).split(".")[:2])
+    -> `"90a"`, the Hopper features the kernels use; `"8.9"` -> `"89"`).
+
+    Raises:
+        ValueError: `capability` not of the form `"major.minor"`.
+    """
+    parts = str(capability).split(".")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"capability: expected 'major.minor' (e.g. '9.0'), got {capability!r}")
+    major, minor = int(parts[0]), int(parts[1])
     return f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
 
 
