@@ -12,8 +12,9 @@
 #   4  quality_block: block                (~4 min: bf16 from the committed
 #      benchmarks/results/quality_gpu.json; merge the two JSON files with
 #      `quality.py --from-json A,B --json benchmarks/results/quality_gpu.json`)
-#   5  quality_seed1: bf16 and delayed at seed 1 (~5 min; their gaps beside
-#      seed 0's: `quality.py --across-seeds A,B`)
+#   5  quality_seeds: bf16 and delayed at seeds 1 and 2, the two seeds'
+#      processes side by side (~6 min; the gaps beside seed 0's:
+#      `quality.py --across-seeds A,B,C`)
 #   6  probe: tools/jax_fp8_dot_probe.py, every way (~4 min)
 #   7  model_xla: the JAX decoder with the backend's custom calls off
 #      (model.py --jax-xla-fp8: XLA's quantize fusions and FP8 dot; ~2 min)
@@ -83,8 +84,12 @@ part() {
         --json "$log_dir/quality_gpu.json" ;;
     quality_block) run quality_block 560 env KERAS_BACKEND=jax python3 benchmarks/quality.py --size gpu \
         --recipes block --baseline-json benchmarks/results/quality_gpu.json --json "$log_dir/quality_block.json" ;;
-    quality_seed1) run quality_seed1 560 env KERAS_BACKEND=jax python3 benchmarks/quality.py --size gpu --seed 1 \
-        --recipes bf16,delayed --time-budget @BUDGET@ --json "$log_dir/quality_gpu_seed1.json" ;;
+    quality_seeds) for seed in 1 2; do
+          run "quality_seed$seed" 560 env KERAS_BACKEND=jax XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 python3 \
+            benchmarks/quality.py --size gpu --seed "$seed" --recipes bf16,delayed --time-budget @BUDGET@ \
+            --json "$log_dir/quality_gpu_seed$seed.json" &
+        done
+        wait ;;
     probe) run probe 240 python3 tools/jax_fp8_dot_probe.py --hlo-dir /tmp/jax_fp8_dot_hlo ;;
     model_xla) run model_xla_fp8 150 python3 benchmarks/model.py --processes 3 --backends jax --jax-xla-fp8 \
         --time-budget @BUDGET@ --process-timeout 100 ;;
@@ -92,7 +97,7 @@ part() {
     2) part build; part model ;;
     3) part quality ;;
     4) part quality_block ;;
-    5) part quality_seed1 ;;
+    5) part quality_seeds ;;
     6) part probe ;;
     7) part model_xla ;;
     *) echo "unknown part $1" | tee -a "$log_dir/summary.txt" ;;
