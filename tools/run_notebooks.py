@@ -40,6 +40,7 @@ def main(argv=None):
             continue
         nb = nbformat.read(path, as_version=4)
         client = nbclient.NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
+                                         record_timing=False,  # no execution timestamps in the files
                                          resources={"metadata": {"path": os.path.dirname(path)}})
         start = time.time()
         try:
