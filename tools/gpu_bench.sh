@@ -18,6 +18,8 @@
 #   6  probe: tools/jax_fp8_dot_probe.py, every way (~4 min)
 #   7  model_xla: the JAX decoder with the backend's custom calls off
 #      (model.py --jax-xla-fp8: XLA's quantize fusions and FP8 dot; ~2 min)
+#   8  quality_seeds_more: as 5 at seeds 3 and 4 (the five seeds' gaps:
+#      `quality.py --across-seeds A,B,C,D,E`)
 # or the single parts by name. A run stops starting work SECONDS after it
 # began (default 570; GPU_BENCH_SECONDS=...): each part gets at most its own
 # limit and what is left, and passes it on as its scripts' --time-budget, so
@@ -66,6 +68,16 @@ run() {  # run NAME LIMIT COMMAND...: at most LIMIT s (and what is left); @BUDGE
   echo "$name rc=$rc in $(( $(date +%s) - t0 )) s (limit $limit s)" | tee -a "$log_dir/summary.txt"
 }
 
+quality_at_seeds() {  # quality_at_seeds SEED...: bf16 and delayed at each seed, the seeds side by side
+  local seed
+  for seed in "$@"; do
+    run "quality_seed$seed" 560 env KERAS_BACKEND=jax XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 python3 \
+      benchmarks/quality.py --size gpu --seed "$seed" --recipes bf16,delayed --time-budget @BUDGET@ \
+      --json "$log_dir/quality_gpu_seed$seed.json" &
+  done
+  wait
+}
+
 part() {
   case $1 in
     build) run build 150 python3 -m torch_ops build ;;
@@ -84,12 +96,8 @@ part() {
         --json "$log_dir/quality_gpu.json" ;;
     quality_block) run quality_block 560 env KERAS_BACKEND=jax python3 benchmarks/quality.py --size gpu \
         --recipes block --baseline-json benchmarks/results/quality_gpu.json --json "$log_dir/quality_block.json" ;;
-    quality_seeds) for seed in 1 2; do
-          run "quality_seed$seed" 560 env KERAS_BACKEND=jax XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 python3 \
-            benchmarks/quality.py --size gpu --seed "$seed" --recipes bf16,delayed --time-budget @BUDGET@ \
-            --json "$log_dir/quality_gpu_seed$seed.json" &
-        done
-        wait ;;
+    quality_seeds) quality_at_seeds 1 2 ;;
+    quality_seeds_more) quality_at_seeds 3 4 ;;
     probe) run probe 240 python3 tools/jax_fp8_dot_probe.py --hlo-dir /tmp/jax_fp8_dot_hlo ;;
     model_xla) run model_xla_fp8 150 python3 benchmarks/model.py --processes 3 --backends jax --jax-xla-fp8 \
         --time-budget @BUDGET@ --process-timeout 100 ;;
@@ -100,6 +108,7 @@ part() {
     5) part quality_seeds ;;
     6) part probe ;;
     7) part model_xla ;;
+    8) part quality_seeds_more ;;
     *) echo "unknown part $1" | tee -a "$log_dir/summary.txt" ;;
   esac
 }
