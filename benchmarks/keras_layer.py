@@ -18,10 +18,19 @@ within each process:
 One step is the layer's forward on a bf16 x (training=True) and the
 backward of a random bf16 output gradient, giving dx and the kernel's
 gradient. torch: eager autograd (the FP8 layers' `fast_layer_call` path),
-each step synchronized (CUDA events). JAX: one jitted `stateless_call` +
-`jax.vjp` per step (the FP8 state threaded from step to step), timed to
-`block_until_ready` of all its outputs (y, dx, the variables' gradients,
-the new state; without y among them XLA drops the forward product).
+timed by CUDA events. JAX: one jitted `stateless_call` + `jax.vjp` per step
+(the FP8 state threaded from step to step), timed to `block_until_ready` of
+all its outputs (y, dx, the variables' gradients, the new state; without y
+among them XLA drops the forward product). A sample is `--calls` steps
+issued back to back (default 3), as a training loop issues them: the
+host's dispatch of a step overlaps the step before it (a one-layer JAX
+program's dispatch, about 0.2 ms, is paid once per model step, not per
+layer); `--calls 1` synchronizes every step. After each step the
+variables Keras's optimizers overwrite with their gradient
+(`overwrite_with_gradient`: an FP8 layer's `grad_amax_pending`) take it, as
+in `fit`, so the output gradient's amax history fills as in training (with
+it left empty, every step's gradient quantize would seed its scale from a
+first pass over the gradient).
 
 Memory of one step: torch, `torch.cuda.max_memory_allocated()` during the
 step minus what was allocated before it (x, the gradient, the layers'
@@ -68,6 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--calls", type=int, default=3, help="back-to-back steps per sample (1: each synchronized)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory step")
     p.add_argument("--dry-run", action="store_true")
     timing.add_process_arguments(p)
@@ -83,6 +93,8 @@ def parse_args(argv=None):
         p.error(f"--shapes: expected MxKxN[,MxKxN...], got {text!r}")
     if args.dry_run:
         args.rounds, args.iters, args.warmup = 1, 2, 1
+    if args.calls < 1:
+        p.error(f"--calls: expected an integer >= 1, got {args.calls}")
     return args
 
 
@@ -100,6 +112,11 @@ def make_layer(variant, k, n):
     return layer
 
 
+def _overwrites(variable):
+    """Whether Keras's optimizers overwrite `variable` with its gradient."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
 # --------------------------------------------------------------------------- torch
 def _torch_steps(layers, m, k, n):
     import torch
@@ -111,12 +128,17 @@ def _torch_steps(layers, m, k, n):
 
     def make(layer):
         params = [v.value for v in layer.trainable_variables]
+        overwritten = [v.value for v in layer.trainable_variables if _overwrites(v)]
 
         def step():
             x.grad = None
             for p in params:
                 p.grad = None
             layer(x, training=True).backward(g)
+            with torch.no_grad():  # what the optimizer does with these variables' gradients
+                for p in overwritten:
+                    if p.grad is not None:
+                        p.copy_(p.grad)
 
         return step
 
@@ -149,7 +171,8 @@ def _jax_steps(layers, m, k, n):
         # A model's stateless_call runs the layer's __call__ (the autocast
         # scope included), as the trainer does.
         model = keras.Sequential([keras.Input((k,), dtype="bfloat16"), layer])
-        trainable = [w.value for w in model.trainable_variables]
+        trainable = [[w.value for w in model.trainable_variables]]
+        overwrite = [_overwrites(w) for w in model.trainable_variables]
         state = [[w.value for w in model.non_trainable_variables]]
 
         def fwd_bwd(trainable, non_trainable, x, g, model=model):
@@ -173,16 +196,17 @@ def _jax_steps(layers, m, k, n):
                 before = jax_gemm.enabled()
                 jax_gemm.set_enabled(before and not xla_way)
                 try:
-                    cache["exe"] = jitted.lower(trainable, state[0], x, g).compile()
+                    cache["exe"] = jitted.lower(trainable[0], state[0], x, g).compile()
                 finally:
                     jax_gemm.set_enabled(before)
             return cache["exe"]
 
-        def step(trainable=trainable, state=state, compiled=lazy_compiled):
+        def step(trainable=trainable, state=state, compiled=lazy_compiled, overwrite=overwrite):
             # Every output, so that the timer waits for the whole step (a
             # kernel gradient still computing would run into the next
             # variant's sample).
-            dt, dx, state[0], y = compiled()(trainable, state[0], x, g)
+            dt, dx, state[0], y = compiled()(trainable[0], state[0], x, g)
+            trainable[0] = [d if o else t for t, d, o in zip(trainable[0], dt, overwrite)]
             return dt, dx, state[0], y
 
         steps[v] = step
@@ -256,7 +280,7 @@ def worker(args):
                     except Exception as e:  # noqa: BLE001
                         extra[v]["mem_error"] = timing.describe_error(e)
         medians = timing.interleaved_medians(steps, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
-                                             timer=timer, seed=args.worker or 0)
+                                             calls=args.calls, timer=timer, seed=args.worker or 0)
         if backend == "torch" and cuda and args.memory:
             for v, step in steps.items():
                 if not isinstance(medians.get(v), BaseException):
