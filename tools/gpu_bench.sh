@@ -6,7 +6,7 @@
 #   bash tools/gpu_bench.sh LOG_DIR [PART...]
 #
 # PART (default: 1 2 3 4) on one H200, each group under ten minutes:
-#   1  build linear quantize layer small   (~9 min)
+#   1  build linear quantize layer small   (~9-10 min)
 #   2  build model                         (~7-8 min: torch + JAX, --monitor)
 #   3  quality: bf16, delayed, current     (~6 min: the GPU size, JAX)
 #   4  quality_block: block                (~4 min: bf16 from the committed
@@ -20,6 +20,8 @@
 #      (model.py --jax-xla-fp8: XLA's quantize fusions and FP8 dot; ~2 min)
 #   8  quality_seeds_more: as 5 at seeds 3 and 4 (the five seeds' gaps:
 #      `quality.py --across-seeds A,B,C,D,E`)
+#   9  build model_loss: the torch decoder under Keras's loss and the same
+#      loss on flattened rows (model.py --loss keras / flat; ~4 min)
 # or the single parts by name. A run stops starting work SECONDS after it
 # began (default 570; GPU_BENCH_SECONDS=...): each part gets at most its own
 # limit and what is left, and passes it on as its scripts' --time-budget, so
@@ -85,7 +87,7 @@ part() {
         --process-timeout 120 ;;
     quantize) run quantize 60 python3 benchmarks/quantize.py --processes 3 --time-budget @BUDGET@ \
         --process-timeout 40 ;;
-    layer) run layer 150 python3 benchmarks/keras_layer.py --processes 3 --backends torch,jax \
+    layer) run layer 200 python3 benchmarks/keras_layer.py --processes 3 --backends torch,jax \
         --time-budget @BUDGET@ --process-timeout 60 ;;
     small) run model_small 120 python3 benchmarks/model.py --size small --processes 3 --backends torch \
         --peers none --time-budget @BUDGET@ --process-timeout 60 ;;
@@ -99,6 +101,12 @@ part() {
     quality_seeds) quality_at_seeds 1 2 ;;
     quality_seeds_more) quality_at_seeds 3 4 ;;
     probe) run probe 240 python3 tools/jax_fp8_dot_probe.py --hlo-dir /tmp/jax_fp8_dot_hlo ;;
+    model_loss)
+      local loss
+      for loss in keras flat; do
+        run "model_loss_$loss" 110 python3 benchmarks/model.py --processes 3 --backends torch --loss "$loss" \
+          --peers none --no-shortcut-ablation --time-budget @BUDGET@ --process-timeout 60
+      done ;;
     model_xla) run model_xla_fp8 150 python3 benchmarks/model.py --processes 3 --backends jax --jax-xla-fp8 \
         --time-budget @BUDGET@ --process-timeout 100 ;;
     1) part build; part linear; part quantize; part layer; part small ;;
@@ -109,6 +117,7 @@ part() {
     6) part probe ;;
     7) part model_xla ;;
     8) part quality_seeds_more ;;
+    9) part build; part model_loss ;;
     *) echo "unknown part $1" | tee -a "$log_dir/summary.txt" ;;
   esac
 }
