@@ -30,7 +30,7 @@ variables Keras's optimizers overwrite with their gradient
 (`overwrite_with_gradient`: an FP8 layer's `grad_amax_pending`) take it, as
 in `fit`, so the output gradient's amax history fills as in training (with
 it left empty, every step's gradient quantize would seed its scale from a
-first pass over the gradient).
+first pass over the gradient; `--no-overwrite` measures that).
 
 Memory of one step: torch, `torch.cuda.max_memory_allocated()` during the
 step minus what was allocated before it (x, the gradient, the layers'
@@ -78,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--calls", type=int, default=3, help="back-to-back steps per sample (1: each synchronized)")
+    p.add_argument("--no-overwrite", dest="overwrite", action="store_false",
+                   help="leave the gradient channel without its gradient (the ablation: the output gradient's "
+                        "history stays empty)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory step")
     p.add_argument("--dry-run", action="store_true")
     timing.add_process_arguments(p)
@@ -118,7 +121,7 @@ def _overwrites(variable):
 
 
 # --------------------------------------------------------------------------- torch
-def _torch_steps(layers, m, k, n):
+def _torch_steps(layers, m, k, n, overwrite=True):
     import torch
 
     # The data goes where Keras put the variables (the GPU even in a dry run).
@@ -128,7 +131,7 @@ def _torch_steps(layers, m, k, n):
 
     def make(layer):
         params = [v.value for v in layer.trainable_variables]
-        overwritten = [v.value for v in layer.trainable_variables if _overwrites(v)]
+        overwritten = [v.value for v in layer.trainable_variables if overwrite and _overwrites(v)]
 
         def step():
             x.grad = None
@@ -158,7 +161,7 @@ def _torch_memory(step):
 
 
 # --------------------------------------------------------------------------- JAX
-def _jax_steps(layers, m, k, n):
+def _jax_steps(layers, m, k, n, overwrite=True):
     import jax
     import jax.numpy as jnp
     import keras
@@ -172,7 +175,7 @@ def _jax_steps(layers, m, k, n):
         # scope included), as the trainer does.
         model = keras.Sequential([keras.Input((k,), dtype="bfloat16"), layer])
         trainable = [[w.value for w in model.trainable_variables]]
-        overwrite = [_overwrites(w) for w in model.trainable_variables]
+        overwritten = [overwrite and _overwrites(w) for w in model.trainable_variables]
         state = [[w.value for w in model.non_trainable_variables]]
 
         def fwd_bwd(trainable, non_trainable, x, g, model=model):
@@ -201,12 +204,12 @@ def _jax_steps(layers, m, k, n):
                     jax_gemm.set_enabled(before)
             return cache["exe"]
 
-        def step(trainable=trainable, state=state, compiled=lazy_compiled, overwrite=overwrite):
+        def step(trainable=trainable, state=state, compiled=lazy_compiled, overwritten=overwritten):
             # Every output, so that the timer waits for the whole step (a
             # kernel gradient still computing would run into the next
             # variant's sample).
             dt, dx, state[0], y = compiled()(trainable[0], state[0], x, g)
-            trainable[0] = [d if o else t for t, d, o in zip(trainable[0], dt, overwrite)]
+            trainable[0] = [d if o else t for t, d, o in zip(trainable[0], dt, overwritten)]
             return dt, dx, state[0], y
 
         steps[v] = step
@@ -266,9 +269,9 @@ def worker(args):
                 problems[v] = e
         extra = {v: {} for v in names}
         if backend == "torch":
-            steps = _torch_steps(layers, m, k, n)
+            steps = _torch_steps(layers, m, k, n, args.overwrite)
         else:
-            steps, compiled = _jax_steps(layers, m, k, n)
+            steps, compiled = _jax_steps(layers, m, k, n, args.overwrite)
             if args.memory:
                 # The peak rise is clean only for the first step a process runs.
                 first = names[(args.worker or 0) % len(names)]

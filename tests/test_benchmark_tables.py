@@ -192,26 +192,31 @@ class KerasLayerTest(parameterized.TestCase):
         # A dot on the CPU; a cuBLAS call (or a fused dot) on a GPU.
         self.assertLen(re.findall(r'\bdot\(|custom_call_target="__cublas', text), 3)
 
-    def test_steps_fill_the_gradient_history(self):
+    @parameterized.parameters(True, False)
+    def test_steps_fill_the_gradient_history(self, overwrite):
         # As in fit, the gradient channel takes its gradient after each step,
         # so the output gradient's history records (an empty one would make
-        # every gradient quantize seed its scale with an extra pass).
+        # every gradient quantize seed its scale with an extra pass);
+        # --no-overwrite leaves it empty.
         layer = keras_layer.make_layer("fp8_delayed", 128, 256)
         if keras.backend.backend() == "jax":
-            steps, _ = keras_layer._jax_steps({"fp8_delayed": layer}, 64, 128, 256)
+            steps, _ = keras_layer._jax_steps({"fp8_delayed": layer}, 64, 128, 256, overwrite)
             model_state = None
             for _ in range(3):
                 model_state = steps["fp8_delayed"]()[2]
             by_path = dict(zip([v.path for v in layer.non_trainable_variables], model_state))
             history = by_path[layer.grad_amax_history.path]
         else:
-            steps = keras_layer._torch_steps({"fp8_delayed": layer}, 64, 128, 256)
+            steps = keras_layer._torch_steps({"fp8_delayed": layer}, 64, 128, 256, overwrite)
             for _ in range(3):
                 steps["fp8_delayed"]()
             history = layer.grad_amax_history.value
         history = keras.ops.convert_to_numpy(history)
-        self.assertGreater(history[0], 0)
-        self.assertGreater(history[1], 0)
+        if overwrite:
+            self.assertGreater(history[0], 0)
+            self.assertGreater(history[1], 0)
+        else:
+            self.assertEqual(float(history.max()), 0.0)
 
 
 def _model_records(p):
