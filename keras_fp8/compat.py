@@ -48,6 +48,7 @@ The patches:
 
 import contextlib
 import functools
+import re
 import warnings
 
 import keras
@@ -69,7 +70,8 @@ _warned_version = []
 def keras_version():
     """Keras's `(major, minor)` version."""
     major, minor = keras.__version__.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    digits = re.match(r"[0-9]*", minor).group()  # "16rc0" -> 16; ASCII digits only
+    return int(major), int(digits or 0)
 
 
 def check_keras_version():

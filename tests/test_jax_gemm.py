@@ -180,7 +180,7 @@ def test_cuda_arch_names_what_nvcc_builds(jax_gemm):
     assert jax_gemm.cuda_arch("9.0") == "90a"
     assert jax_gemm.cuda_arch("8.9") == "89"
     assert jax_gemm.cuda_arch("10.0") == "100"
-    for bad in ("9", "sm_90", "9.0.1", ""):
+    for bad in ("9", "sm_90", "9.0.1", "", "9.\u00b2", "\u0669.0"):
         with pytest.raises(ValueError, match=r"capability: expected 'major.minor'"):
             jax_gemm.cuda_arch(bad)
 

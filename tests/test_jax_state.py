@@ -122,6 +122,9 @@ def test_small_products_are_upcast(monkeypatch):
         "XLA_FLAGS", "--xla_gpu_gemm_rewrite_size_threshold=100000 --foo=1"
     )
     assert jax_backend.is_small_dot(256, 80, 96)
+    # A value that is not a plain ASCII number is not XLA's: the default holds.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_gemm_rewrite_size_threshold=10\u00b2")
+    assert not jax_backend.is_small_dot(256, 80, 96)
 
 
 def test_symbolic_batch_takes_the_fp8_path():

@@ -72,7 +72,7 @@ def _rewrite_size_threshold():
     (default 100)."""
     for flag in os.environ.get("XLA_FLAGS", "").split():
         name, _, value = flag.lstrip("-").partition("=")
-        if name == "xla_gpu_gemm_rewrite_size_threshold" and value.isdigit():
+        if name == "xla_gpu_gemm_rewrite_size_threshold" and value.isascii() and value.isdigit():
             return int(value)
     return 100
 

@@ -207,7 +207,7 @@ def cuda_arch(capability):
         ValueError: `capability` not of the form `"major.minor"`.
     """
     parts = str(capability).split(".")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
         raise ValueError(f"capability: expected 'major.minor' (e.g. '9.0'), got {capability!r}")
     major, minor = int(parts[0]), int(parts[1])
     return f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
