@@ -197,8 +197,10 @@ class KerasLayerTest(parameterized.TestCase):
         # As in fit, the gradient channel takes its gradient after each step,
         # so the output gradient's history records (an empty one would make
         # every gradient quantize seed its scale with an extra pass);
-        # --no-overwrite leaves it empty.
+        # --no-overwrite leaves it empty. The layer runs FP8 at this small
+        # size on every device (on a GPU it would run the compute dtype).
         layer = keras_layer.make_layer("fp8_delayed", 128, 256)
+        layer.min_gemm_size = 0
         if keras.backend.backend() == "jax":
             steps, _ = keras_layer._jax_steps({"fp8_delayed": layer}, 64, 128, 256, overwrite)
             model_state = None
@@ -212,6 +214,7 @@ class KerasLayerTest(parameterized.TestCase):
                 steps["fp8_delayed"]()
             history = layer.grad_amax_history.value
         history = keras.ops.convert_to_numpy(history)
+        self.assertEqual(layer.fp8_execution()[0], "FP8")
         if overwrite:
             self.assertGreater(history[0], 0)
             self.assertGreater(history[1], 0)
