@@ -29,6 +29,7 @@ Conventions:
 import numpy as np
 from keras import ops
 
+from keras_fp8 import backends
 from keras_fp8 import recipes
 
 # Fold counts wrap here, so that fold tokens stay exact in float32.
@@ -73,9 +74,26 @@ def quantize(x, scale, fmt):
     return ops.cast(ops.clip(scaled, -fmt_max, fmt_max), recipes.FORMAT_DTYPE[fmt])
 
 
+def widen(q):
+    """Returns the FP8 tensor `q`'s values in float32 (exact).
+
+    Every widening of a quantized tensor goes through here: within one
+    compiled function a compiler may fold the conversion to FP8 and this
+    one into a single conversion, which would skip the FP8 rounding
+    (`keras_fp8.backends.keep_rounding`).
+
+    Args:
+        q: A `float8_e4m3fn` or `float8_e5m2` tensor.
+
+    Returns:
+        A float32 tensor shaped like `q`.
+    """
+    return ops.cast(backends.keep_rounding(q), "float32")
+
+
 def dequantize(q, scale, dtype="float32"):
     """Returns `q * scale` in `dtype` (exact in float32 for scalar scales)."""
-    return ops.cast(ops.multiply(ops.cast(q, "float32"), scale), dtype)
+    return ops.cast(ops.multiply(widen(q), scale), dtype)
 
 
 def compute_amax(x):
@@ -280,8 +298,8 @@ def quantization_stats(x, scale, fmt):
     """
     x = ops.cast(x, "float32")
     scale = ops.cast(scale, "float32")
-    q = quantize(x, scale, fmt)
-    error = ops.subtract(x, dequantize(q, scale))
+    q = widen(quantize(x, scale, fmt))
+    error = ops.subtract(x, ops.multiply(q, scale))
     finite = ops.isfinite(x)
     count = ops.maximum(ops.sum(ops.cast(finite, "float32")), 1.0)
 
@@ -289,7 +307,7 @@ def quantization_stats(x, scale, fmt):
         return ops.divide(ops.sum(ops.cast(ops.logical_and(finite, mask), "float32")), count)
 
     clipped = ops.greater(ops.abs(ops.multiply(x, reciprocal(scale))), recipes.FORMAT_MAX[fmt])
-    flushed = ops.logical_and(ops.not_equal(x, 0.0), ops.equal(ops.cast(q, "float32"), 0.0))
+    flushed = ops.logical_and(ops.not_equal(x, 0.0), ops.equal(q, 0.0))
     # Powers relative to the amax, so that tiny tensors (gradients) do not
     # underflow float32 when squared; the ratio is the same.
     amax = compute_amax(ops.where(finite, x, ops.zeros_like(x)))
@@ -323,7 +341,7 @@ def scaled_matmul(a_q, b_q, scale, out_dtype, bias=None):
         out_dtype: Output dtype.
         bias: Optional `(N,)` bias, added in float32 before the rounding.
     """
-    product = ops.multiply(ops.matmul(ops.cast(a_q, "float32"), ops.cast(b_q, "float32")), scale)
+    product = ops.multiply(ops.matmul(widen(a_q), widen(b_q)), scale)
     if bias is not None:
         product = ops.add(product, ops.cast(bias, "float32"))
     return ops.cast(product, out_dtype)
@@ -478,8 +496,8 @@ def block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_tiles=Fal
     """
     k = a_q.shape[1]
     n = b_q.shape[1]
-    a = ops.cast(a_q, "float32")
-    b = ops.cast(b_q, "float32")
+    a = widen(a_q)
+    b = widen(b_q)
     out = None
     for kb in range(-(-k // BLOCK)):
         lo, hi = kb * BLOCK, min(k, (kb + 1) * BLOCK)

@@ -7,6 +7,7 @@ FP8 tensor cores (compute capability >= 8.9).
 import re
 
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -481,3 +482,85 @@ def test_fused_train_step_runs_the_custom_calls_and_records_like_xla():
     for (name, got), (_, want) in zip(fused_state, xla_state):
         if "amax_history" in name or name.endswith("_scale"):
             _assert_same_bits(got, want, name)
+
+
+# --------------------------------------------------------------------------- compiled widenings
+# XLA on a GPU folds a chain of float conversions into one (SimplifyFPConversions,
+# under xla_allow_excess_precision): float32 -> float8 -> float32 inside one
+# compiled function would skip the FP8 rounding. Eager JAX runs op by op and
+# never folds, so every compiled path is checked against the reference or its
+# eager run.
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e4])
+def test_compiled_quantize_then_widen_keeps_the_fp8_rounding(fmt, magnitude):
+    import jax
+
+    from keras_fp8 import numerics
+    from tests import reference
+
+    x = rng_normal((300, 257), 0, magnitude)
+    scale = np.float32(np.abs(x).max() / reference.FMT[fmt][1] * 4)  # some elements flush to zero
+    got = jax.jit(lambda x: numerics.dequantize(numerics.quantize(x, scale, fmt), scale))(x)
+    want = reference.quantize(x, scale, fmt).astype(np.float32) * scale
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert np.any(np.asarray(got) != x)
+
+
+def test_compiled_quantization_statistics_match_eager():
+    import jax
+
+    from keras_fp8 import numerics
+
+    x = rng_normal((512, 384), 1, 2.0)
+    scale = np.float32(np.abs(x).max() / 448 * 2)
+    eager = numerics.quantization_stats(x, scale, "e4m3")
+    compiled = jax.jit(lambda x: numerics.quantization_stats(x, scale, "e4m3"))(x)
+    for key in ("saturation", "underflow"):
+        assert float(compiled[key]) == float(eager[key]), key
+    assert float(eager["underflow"]) > 0
+    assert abs(float(compiled["sqnr_db"]) - float(eager["sqnr_db"])) < 0.01
+    assert float(eager["sqnr_db"]) < 40  # E4M3 rounding, not float32
+
+
+@pytest.mark.parametrize("emulated", [False, True], ids=["small_dot", "emulation"])
+def test_compiled_layer_matches_eager(emulated):
+    # A product small enough to run upcast (is_small_dot), and the exact
+    # emulation a GPU without FP8 runs: both widen the quantized operands.
+    import jax
+
+    from keras_fp8.backends import jax as jax_backend
+
+    keras.mixed_precision.set_global_policy("fp8_hybrid[history_len=8]")
+    keras.utils.set_random_seed(0)
+    units, k, m = (96, 80, 256) if emulated else (8, 16, 4)
+    layer = keras_fp8.layers.FP8Dense(units)
+    layer.build((None, k))
+    x = rng_normal((m, k), 2)
+    original = jax_backend.fp8_gemm_supported
+    if emulated:
+        jax_backend.fp8_gemm_supported = lambda: False
+    else:
+        assert jax_backend.is_small_dot(m, k, units)
+    try:
+        eager = to_numpy(layer(x, training=False)).astype(np.float32)
+        compiled = to_numpy(jax.jit(lambda x: layer(x, training=False))(x)).astype(np.float32)
+    finally:
+        jax_backend.fp8_gemm_supported = original
+    error = np.linalg.norm(compiled - eager) / np.linalg.norm(eager)
+    assert error < 1e-3, error
+
+
+def test_compiled_bias_gradient_is_rounded_to_the_output_dtype():
+    import jax.numpy as jnp
+
+    keras.mixed_precision.set_global_policy("fp8_hybrid[history_len=8]")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((256,)), keras_fp8.layers.FP8Dense(384)])
+    x = jnp.asarray(rng_normal((512, 256), 3))
+    upstream = rng_normal((512, 384), 4)
+    _, ((_, _), grads) = _compiled_train_step_text(model, x, upstream)
+    bias_grad = np.asarray(grads[0][1], np.float32)
+    assert model.trainable_variables[1].path.endswith("bias")
+    np.testing.assert_array_equal(bias_grad, bias_grad.astype(ml_dtypes.bfloat16).astype(np.float32))

@@ -3,6 +3,7 @@
 import ml_dtypes
 import numpy as np
 from absl.testing import parameterized
+import keras
 from keras import ops
 
 import keras_fp8
@@ -70,6 +71,30 @@ class QuantizeTest(parameterized.TestCase):
         ours = ops.convert_to_numpy(numerics.dequantize(q, 0.01))
         expected = reference.dequantize(reference.quantize(x, 0.01, "e4m3"), 0.01)
         np.testing.assert_array_equal(ours, expected)
+
+    def test_compiled_widening_keeps_the_fp8_rounding(self):
+        # Inside one compiled function XLA on a GPU would fold float32 ->
+        # float8 -> float32 into nothing (tests/test_jax_gpu.py checks it
+        # there); every widening goes through numerics.widen, which keeps
+        # the two conversions apart (an optimization barrier under JAX).
+        if keras.backend.backend() != "jax":
+            self.skipTest("the JAX backend compiles the round trip")
+        import jax
+
+        x = np.random.default_rng(4).standard_normal((64, 48)).astype(np.float32)
+        expected = reference.dequantize(reference.quantize(x, 0.01, "e4m3"), 0.01)
+        paths = {
+            "dequantize": lambda x: numerics.dequantize(numerics.quantize(x, 0.01, "e4m3"), 0.01),
+            "scaled_matmul": lambda x: numerics.scaled_matmul(
+                numerics.quantize(x, 0.01, "e4m3"), numerics.quantize(np.eye(48, dtype=np.float32), 1.0, "e4m3"),
+                0.01, "float32"),
+            "quantization_stats": lambda x: numerics.quantization_stats(x, 0.01, "e4m3")["sqnr_db"],
+        }
+        for name, fn in paths.items():
+            compiled = jax.jit(fn)
+            self.assertIn("optimization_barrier", compiled.lower(x).as_text(), name)
+            if name != "quantization_stats":
+                np.testing.assert_array_equal(np.asarray(compiled(x)), expected, err_msg=name)
 
     def test_amax_propagates_non_finite(self):
         x = np.array([1.0, -3.0, 2.0], np.float32)

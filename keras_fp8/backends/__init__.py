@@ -17,8 +17,10 @@ Each backend module provides:
 and may provide `prepare_device(tensor)` (settle, in eager code, where FP8
 matmuls on `tensor`'s device run), `mark_amax_channel(variable)` (tell the
 backend's data-parallel tooling that this variable's gradient is an amax)
-and `fast_layer_call(layer, args, kwargs)` (a layer's `__call__` without
-Keras's generic machinery, or None).
+`fast_layer_call(layer, args, kwargs)` (a layer's `__call__` without
+Keras's generic machinery, or None) and `keep_rounding(q)` (an FP8 tensor
+shielded from a compiler that would fold its narrowing and a later
+widening into one conversion).
 
 `jax` runs FP8 `dot_general` through XLA on FP8-capable GPUs and the exact
 emulation elsewhere; `torch` runs `torch_ops` (the compiled kernels on the
@@ -82,3 +84,25 @@ def mark_amax_channel(variable):
     mark = getattr(get(), "mark_amax_channel", None)
     if mark is not None:
         mark(variable)
+
+
+def keep_rounding(q):
+    """`q`, a quantized (FP8) tensor about to be widened, as the current
+    backend needs it for the widening to see FP8 values.
+
+    XLA folds a chain of floating-point conversions into one (on a GPU,
+    with `xla_allow_excess_precision`, its default): `float32 -> float8 ->
+    float32` inside one compiled function would skip the FP8 rounding
+    altogether. The JAX backend puts an optimization barrier between the
+    two; elsewhere `q` is returned as it is.
+
+    Args:
+        q: An FP8 tensor.
+
+    Returns:
+        `q`, or what stands for it in the compiled function.
+    """
+    if keras.backend.backend() not in _SUPPORTED:
+        return q
+    keep = getattr(get(), "keep_rounding", None)
+    return q if keep is None else keep(q)

@@ -155,6 +155,14 @@ def _backward_matmul():
     return numerics.scaled_matmul
 
 
+def keep_rounding(q):
+    """`q` behind an optimization barrier, so that XLA cannot fold the
+    conversion that made it (to FP8) and the one that widens it into one
+    (`SimplifyFPConversions` on a GPU): the widened values are then FP8
+    values, as on every other path (`keras_fp8.backends.keep_rounding`)."""
+    return jax.lax.optimization_barrier(q)
+
+
 def _as_stored(x):
     """`x` rounded to its own dtype. XLA on a GPU may hand a 16-bit value
     that a fusion computes in float32 on unrounded
@@ -174,7 +182,7 @@ def _bias_grad(grad, has_bias, bias_proto):
     a bias."""
     if not has_bias:
         return jnp.zeros((), bias_proto.dtype)
-    return jnp.sum(grad.astype(jnp.float32), axis=0).astype(grad.dtype).astype(bias_proto.dtype)
+    return _as_stored(jnp.sum(grad.astype(jnp.float32), axis=0).astype(grad.dtype)).astype(bias_proto.dtype)
 
 
 # `bias` is a `(N,)` tensor where `has_bias`, else an unused placeholder.
