@@ -4,6 +4,7 @@ Skips unless the Keras backend is JAX and the default device is a GPU with
 FP8 tensor cores (compute capability >= 8.9).
 """
 
+import contextlib
 import re
 
 import keras
@@ -61,6 +62,16 @@ def gemm_operand_types(hlo_text):
 
 def _is_fp8(operand_types):
     return all(t in _FP8_TYPES for t in operand_types) and operand_types
+
+
+@contextlib.contextmanager
+def _without_fp8_gemms():
+    """The JAX backend as on a GPU without FP8 GEMMs: the exact emulation."""
+    from keras_fp8.backends import jax as jax_backend
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jax_backend, "fp8_gemm_supported", lambda: False)
+        yield
 
 
 @pytest.fixture(params=[True, False], ids=["custom_call", "xla_dot"])
@@ -228,21 +239,14 @@ def test_ragged_shapes_run_xla_and_agree(gemm_way):
 
 
 def test_gpu_matches_emulation_within_fp8_tolerance():
-    from keras_fp8.backends import jax as jax_backend
-
     keras.mixed_precision.set_global_policy("fp8_hybrid[history_len=8]")
     keras.utils.set_random_seed(0)
     layer = keras_fp8.layers.FP8Dense(96, use_bias=False)
     layer.build((None, 80))
     x = rng_normal((256, 80), 0)
     y_gpu = to_numpy(layer(x, training=False))
-    jax_backend.fp8_gemm_supported.cache_clear()
-    original = jax_backend.fp8_gemm_supported
-    jax_backend.fp8_gemm_supported = lambda: False
-    try:
+    with _without_fp8_gemms():
         y_emu = to_numpy(layer(x, training=False))
-    finally:
-        jax_backend.fp8_gemm_supported = original
     error = np.linalg.norm(y_gpu - y_emu) / np.linalg.norm(y_emu)
     assert error < 1e-2, error
 
@@ -538,16 +542,10 @@ def test_compiled_layer_matches_eager(emulated):
     layer = keras_fp8.layers.FP8Dense(units)
     layer.build((None, k))
     x = rng_normal((m, k), 2)
-    original = jax_backend.fp8_gemm_supported
-    if emulated:
-        jax_backend.fp8_gemm_supported = lambda: False
-    else:
-        assert jax_backend.is_small_dot(m, k, units)
-    try:
+    assert emulated or jax_backend.is_small_dot(m, k, units)
+    with _without_fp8_gemms() if emulated else contextlib.nullcontext():
         eager = to_numpy(layer(x, training=False)).astype(np.float32)
         compiled = to_numpy(jax.jit(lambda x: layer(x, training=False))(x)).astype(np.float32)
-    finally:
-        jax_backend.fp8_gemm_supported = original
     error = np.linalg.norm(compiled - eager) / np.linalg.norm(eager)
     assert error < 1e-3, error
 
