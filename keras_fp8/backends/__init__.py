@@ -16,7 +16,7 @@ Each backend module provides:
 
 and may provide `prepare_device(tensor)` (settle, in eager code, where FP8
 matmuls on `tensor`'s device run), `mark_amax_channel(variable)` (tell the
-backend's data-parallel tooling that this variable's gradient is an amax)
+backend's data-parallel tooling that this variable's gradient is an amax),
 `fast_layer_call(layer, args, kwargs)` (a layer's `__call__` without
 Keras's generic machinery, or None) and `keep_rounding(q)` (an FP8 tensor
 shielded from a compiler that would fold its narrowing and a later
