@@ -24,7 +24,15 @@ the first step of each call left out):
 - `fp8_hybrid` (and any other FP8 policy in `--policies`): the projections
   are `FP8Dense`;
 - `fp8_hybrid+monitor` (`--monitor`): the same FP8 model, its `fit` with
-  `keras_fp8.callbacks.FP8Monitor()` (its overhead);
+  one `keras_fp8.callbacks.FP8Monitor` for the process (default
+  `every_n_steps`, a probe batch of the training batch size, its
+  statistics compiled in the warm-up). Its step count restarts with each
+  `fit`, so each fit measures once, at its first step: that work falls in
+  the first timed step. The median step is then the cost of the steps it
+  does not measure, and the mean over the timed steps against
+  `fp8_hybrid`'s gives one measurement's cost (x the timed steps per fit),
+  from which the tables derive the overhead at the default
+  `every_n_steps`;
 - torch peers (`--peers auto`: with the torch backend on a GPU), the same
   network in plain PyTorch: `torch-bf16` (bf16 autocast, fused AdamW, each
   block `torch.compile`d) and `torchao` (the same with torchao's float8
@@ -42,6 +50,7 @@ policies and two or more processes each gets measured).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -247,27 +256,31 @@ class _Timer:
         return Timer()
 
 
-def monitor_callback():
-    """A fresh `keras_fp8.callbacks.FP8Monitor()` (imported here: optional)."""
+def monitor_callback(probe=None):
+    """A `keras_fp8.callbacks.FP8Monitor` at its default `every_n_steps`
+    (imported here: optional)."""
     from keras_fp8.callbacks import FP8Monitor
 
-    return FP8Monitor()
+    return FP8Monitor(probe=probe)
 
 
 class KerasVariant:
     """One Keras variant: a model (shared with its +shortcut / +monitor
     twin) and how its fit calls run."""
 
-    def __init__(self, name, model, shortcut_cls, torch_memory):
+    def __init__(self, name, model, shortcut_cls, torch_memory, monitor=None):
         self.name, self.model, self.shortcut_cls = name, model, shortcut_cls
         self.torch_memory = torch_memory
-        self.monitor = name.endswith(MONITOR)
+        self.monitor = monitor
         self.mem_gib = None
 
     def fit(self, x, y, steps, batch, measure_memory=False):
         memory_step = 1 if (measure_memory and self.torch_memory) else None
         timer = _Timer.make(memory_step)
-        callbacks = [timer] + ([monitor_callback()] if self.monitor else [])
+        callbacks = [timer]
+        if self.monitor is not None:
+            self.monitor.step = 0  # measures at this fit's first step
+            callbacks.append(self.monitor)
         n = steps * batch
         if self.shortcut_cls is not None:
             self.shortcut_cls.enabled = self.name.endswith(SHORTCUT)
@@ -420,16 +433,17 @@ def worker(args):
         try:
             if policy not in models:
                 models[policy] = keras_model(args, policy, shortcut_cls or keras.layers.Dense)
+            monitor = None
             if name.endswith(MONITOR):
                 try:
-                    monitor_callback()
+                    monitor = monitor_callback(probe=(x[:args.batch], y[:args.batch]))
                 except ImportError:
                     problems[name] = "keras_fp8.callbacks.FP8Monitor not available"
                     continue
             # The monitor's variant shares fp8_hybrid's model: its step memory is that one's (and the
             # probe tensors the monitor holds between steps would blur it).
             variants[name] = KerasVariant(name, models[policy], shortcut_cls, torch_memory=cuda and args.memory
-                                          and backend == "torch" and not name.endswith(MONITOR))
+                                          and backend == "torch" and not name.endswith(MONITOR), monitor=monitor)
         except Exception as e:  # noqa: BLE001
             problems[name] = e
     peer_names = []
@@ -491,6 +505,7 @@ def worker(args):
         med = statistics.median(samples[name])
         mem = variants[name].mem_gib if backend == "torch" else jax_mem.get(name)
         timing.emit(timing.variant_record(name, med, row=stack, tok_per_s=tokens / med * 1e3, steps=len(samples[name]),
+                                          ms_mean=statistics.fmean(samples[name]), timed_per_fit=args.steps - 1,
                                           mem_gib=mem, loss_first=losses[name][0], loss_last=losses[name][-1]))
 
 
@@ -517,6 +532,30 @@ def _variants_of(res, row):
             if r == row and v not in seen:
                 seen.append(v)
     return seen
+
+
+def _monitor_rows(res, row, name, fp8):
+    """FP8Monitor's cost: the steps it does not measure (medians), one
+    measurement (from the means: one per fit) and that measurement spread
+    over the default `every_n_steps`."""
+    from keras_fp8.callbacks import FP8Monitor
+
+    every = inspect.signature(FP8Monitor).parameters["every_n_steps"].default
+    rows = [f"| {name}: FP8Monitor, a step it does not measure (step time with it over without, medians) "
+            f"| {res.ratio(row, fp8, fp8 + MONITOR)} |"]
+    extra, overhead = [], []
+    for d in res.index:
+        plain, watched = d.get((row, fp8), {}), d.get((row, fp8 + MONITOR), {})
+        if "ms_mean" in plain and "ms_mean" in watched:
+            # A fit's timed steps hold one measurement: their extra time is its cost.
+            one = (watched["ms_mean"] - plain["ms_mean"]) * watched["timed_per_fit"]
+            extra.append(one)
+            overhead.append(100 * one / (every * plain["ms_mean"]))
+    rows.append(f"| {name}: FP8Monitor, one measurement with a probe batch (extra ms of a fit's timed steps) | "
+                f"{timing.cell(extra, '{:.1f}')} |")
+    rows.append(f"| {name}: FP8Monitor at every_n_steps={every} (one measurement over {every} steps), "
+                f"% of the step time | {timing.cell(overhead, '{:.1f}', '%')} |")
+    return rows
 
 
 def tables(per_process, args=None):
@@ -551,8 +590,7 @@ def tables(per_process, args=None):
             out.append(f"| {name}: the shortcut alone (bf16 with it over bf16 without) "
                        f"| {res.ratio(row, 'mixed_bfloat16' + SHORTCUT, 'mixed_bfloat16')} |")
         if fp8 + MONITOR in _variants_of(res, row):
-            out.append(f"| {name}: FP8Monitor's cost (step time with it over without) "
-                       f"| {res.ratio(row, fp8, fp8 + MONITOR)} |")
+            out += _monitor_rows(res, row, name, fp8)
     if "torch" in res.rows():
         out.append(f"| plain PyTorch: torchao over bf16 | {res.ratio('torch', 'torchao', 'torch-bf16')} |")
         if "keras-jax" in res.rows() and fp8:

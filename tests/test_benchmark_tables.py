@@ -257,6 +257,24 @@ class ModelTest(parameterized.TestCase):
         self.assertIn("torchao over bf16 | 1.33x [1.33-1.33] |", ratios)
         self.assertIn("n/a (keras_fp8.callbacks.FP8Monitor not available)", text)
 
+    def test_monitor_rows(self):
+        # Per process: four timed steps per fit, one of them measuring; the
+        # means put 4 x 5 = 20 ms on that measurement.
+        records = []
+        for p in range(3):
+            records.append([{"variant": "fp8_hybrid", "row": "keras-jax", "ms": 100.0, "ms_mean": 100.0,
+                             "timed_per_fit": 4},
+                            {"variant": "fp8_hybrid+monitor", "row": "keras-jax", "ms": 100.0 + p,
+                             "ms_mean": 105.0, "timed_per_fit": 4}])
+        ratios = "\n".join(_rows(model.tables(records), model.RATIO_HEADER))
+        self.assertIn("a step it does not measure (step time with it over without, medians) | 1.01x [1.00-1.02] |",
+                      ratios)
+        self.assertIn("one measurement with a probe batch (extra ms of a fit's timed steps) | 20.0 [20.0-20.0] |",
+                      ratios)
+        # 20 ms over 50 steps of 100 ms.
+        self.assertIn("every_n_steps=50 (one measurement over 50 steps), % of the step time | 0.4% [0.4-0.4] |",
+                      ratios)
+
     def test_shortcut_dense_matches_dense(self):
         if keras.backend.backend() != "torch":
             self.skipTest("the shortcut is the torch backend's")
