@@ -266,7 +266,7 @@ def worker(args):
             try:
                 layers[v] = make_layer(v, k, n)
             except Exception as e:  # noqa: BLE001
-                problems[v] = e
+                problems[v] = timing.failure(e)
         extra = {v: {} for v in names}
         if backend == "torch":
             steps = _torch_steps(layers, m, k, n, args.overwrite)

@@ -194,7 +194,7 @@ def build_variants(names, lin, x, gy, cuda):
                 m, params = _te(lin, name)
                 out[name] = _fwd_bwd(m, x, gy, params)
         except Exception as e:  # noqa: BLE001 (the cell says n/a (error: ...))
-            out[name] = e
+            out[name] = timing.failure(e)
     return out
 
 
@@ -255,7 +255,7 @@ def worker(args):
                 try:
                     value = _graph_ms(fns[v], args.rounds)
                 except Exception as e:  # noqa: BLE001
-                    value = e
+                    value = timing.failure(e)
                     torch.cuda.synchronize()
                 timing.emit(timing.variant_record(v + "@graph", value, shape=shape_name(shape)))
         del fns, runnable, lin, x, gy

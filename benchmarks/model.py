@@ -445,7 +445,7 @@ def worker(args):
             variants[name] = KerasVariant(name, models[policy], shortcut_cls, torch_memory=cuda and args.memory
                                           and backend == "torch" and not name.endswith(MONITOR), monitor=monitor)
         except Exception as e:  # noqa: BLE001
-            problems[name] = e
+            problems[name] = timing.failure(e)
     peer_names = []
     if backend == "torch" and args.peers == "auto":
         peer_names = PEERS
@@ -460,7 +460,7 @@ def worker(args):
             except ImportError as e:
                 problems[name] = f"not importable: {type(e).__name__}"
             except Exception as e:  # noqa: BLE001
-                problems[name] = e
+                problems[name] = timing.failure(e)
     # Warm-up: one fit per variant (compilation), in an order rotated by the
     # process index; under JAX the first one's memory is clean.
     order = list(variants)
@@ -472,7 +472,7 @@ def worker(args):
         try:
             variants[name].fit(x, y, args.warmup, args.batch)
         except Exception as e:  # noqa: BLE001
-            problems[name] = e
+            problems[name] = timing.failure(e)
             del variants[name]
             continue
         print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -491,7 +491,7 @@ def worker(args):
             try:
                 ms, ls = variants[name].fit(x, y, args.steps, args.batch, measure_memory=(r == 0 and args.memory))
             except Exception as e:  # noqa: BLE001
-                problems[name] = e
+                problems[name] = timing.failure(e)
                 continue
             samples[name] += ms
             losses[name] += ls

@@ -100,7 +100,7 @@ def interleaved_medians(fns, *, rounds=5, iters=6, warmup=3, calls=1, timer=cuda
             timer(fn, 1)
             live[name] = fn
         except Exception as e:  # noqa: BLE001 (reported as the variant's cell)
-            out[name] = e
+            out[name] = failure(e)
     samples = {name: [] for name in live}
     order = list(live)
     rng = random.Random(seed)
@@ -113,7 +113,7 @@ def interleaved_medians(fns, *, rounds=5, iters=6, warmup=3, calls=1, timer=cuda
             try:
                 samples[name] += [timer(live[name], calls) for _ in range(iters)]
             except Exception as e:  # noqa: BLE001
-                out[name] = e
+                out[name] = failure(e)
     for name, times in samples.items():
         if name not in out:
             out[name] = statistics.median(times)
@@ -128,6 +128,23 @@ def describe_error(e: BaseException, limit: int = 80) -> str:
     lines = [line for line in lines if line and not line.startswith("Exception encountered when calling")]
     text = type(e).__name__ + (f": {lines[0]}" if lines else "")
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def failure(e: BaseException) -> BaseException:
+    """`e`, and the exceptions it chains, without their tracebacks: kept for
+    a variant's record, a traceback's frames would keep the failed
+    variant's tensors (device memory) alive, and an out-of-memory error
+    would then fail every variant after it.
+
+    Returns:
+        `e` itself.
+    """
+    seen, link = set(), e
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return e
 
 
 # --------------------------------------------------------------------------- records

@@ -3,11 +3,13 @@ stale API should fail here, not after minutes of GPU time. The tables'
 headers must be the ones docs/benchmarks.md shows."""
 
 import contextlib
+import gc
 import io
 import json
 import math
 import os
 import re
+import weakref
 
 import keras
 import numpy as np
@@ -70,6 +72,32 @@ class TimingTest(parameterized.TestCase):
         self.assertIsInstance(out["bad"], ValueError)
         record = timing.variant_record("bad", out["bad"], shape="1x2x3")
         self.assertTrue(record["error"].startswith("ValueError: scaling"))
+
+    def test_a_kept_failure_holds_no_frames(self):
+        # An out-of-memory error kept with its traceback would keep the failed
+        # variant's tensors alive (and fail every variant after it).
+        class Tensor:
+            pass
+
+        watch = []
+
+        def fail():
+            held = Tensor()
+            watch.append(weakref.ref(held))
+            try:
+                raise KeyError("inner")
+            except KeyError as inner:
+                raise MemoryError("out of memory") from inner
+
+        try:
+            fail()
+        except MemoryError as e:
+            kept = timing.failure(e)
+        gc.collect()
+        self.assertIsNone(watch[0]())
+        self.assertIsNone(kept.__traceback__)
+        self.assertIsNone(kept.__cause__.__traceback__)
+        self.assertTrue(timing.variant_record("v", kept)["error"].startswith("MemoryError: out of memory"))
 
     def test_keras_wrapped_error(self):
         e = ValueError("Exception encountered when calling FP8Dense.call().\n\n\x1b[1mno block path\x1b[0m\n\n"
