@@ -125,6 +125,21 @@ def test_probe_changes_no_variable_and_captures_the_output_gradient():
 
 
 @torch_only
+def test_monitor_statistics_record_no_autograd_graph():
+    # The kernels are parameters that require a gradient: statistics run with
+    # autograd on would hold every intermediate until the table goes.
+    x, y = _data()
+    model = _model()
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=1, probe=(x[:32], y[:32]))
+    model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    layers = [layer for layer in model.layers if hasattr(layer, "active_recipe")]
+    states = [keras_fp8.callbacks._state(layer) for layer in layers]
+    assert all(state["kernel"].requires_grad for state in states)
+    table = monitor._table(states, [None] * len(layers), [None] * len(layers))
+    assert not table.requires_grad and table.grad_fn is None
+
+
+@torch_only
 def test_monitor_without_probe_reports_state_and_kernel():
     x, y = _data()
     model = _model()

@@ -9,6 +9,8 @@ call; under torch.compile (`jit_compile=True`) and on every other device the
 compiled training therefore run the same ops on the same state.
 """
 
+import functools
+
 import torch
 import torch_ops
 from keras import activations
@@ -198,5 +200,15 @@ def probe_function(loss_fn):
 
 
 def compile_function(fn):
-    """How the monitor runs its statistics (`keras_fp8.callbacks`): eagerly."""
-    return fn
+    """How the monitor runs its statistics (`keras_fp8.callbacks`): eagerly,
+    without autograd. The kernels they read are parameters that require a
+    gradient: a recorded graph would keep every intermediate of every
+    layer's statistics alive as long as the table (on a billion-parameter
+    model, more memory than its training step)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return run
