@@ -50,7 +50,6 @@ policies and two or more processes each gets measured).
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import statistics
 import sys
@@ -504,9 +503,12 @@ def worker(args):
             continue
         med = statistics.median(samples[name])
         mem = variants[name].mem_gib if backend == "torch" else jax_mem.get(name)
+        monitor = getattr(variants[name], "monitor", None)
+        extra = {} if monitor is None else {"every_n_steps": monitor.every_n_steps}
         timing.emit(timing.variant_record(name, med, row=stack, tok_per_s=tokens / med * 1e3, steps=len(samples[name]),
                                           ms_mean=statistics.fmean(samples[name]), timed_per_fit=args.steps - 1,
-                                          mem_gib=mem, loss_first=losses[name][0], loss_last=losses[name][-1]))
+                                          mem_gib=mem, loss_first=losses[name][0], loss_last=losses[name][-1],
+                                          **extra))
 
 
 # --------------------------------------------------------------------------- tables
@@ -537,24 +539,22 @@ def _variants_of(res, row):
 def _monitor_rows(res, row, name, fp8):
     """FP8Monitor's cost: the steps it does not measure (medians), one
     measurement (from the means: one per fit) and that measurement spread
-    over the default `every_n_steps`."""
-    from keras_fp8.callbacks import FP8Monitor
-
-    every = inspect.signature(FP8Monitor).parameters["every_n_steps"].default
+    over the monitor's `every_n_steps`."""
     rows = [f"| {name}: FP8Monitor, a step it does not measure (step time with it over without, medians) "
             f"| {res.ratio(row, fp8, fp8 + MONITOR)} |"]
-    extra, overhead = [], []
+    extra, overhead, every = [], [], None
     for d in res.index:
         plain, watched = d.get((row, fp8), {}), d.get((row, fp8 + MONITOR), {})
         if "ms_mean" in plain and "ms_mean" in watched:
             # A fit's timed steps hold one measurement: their extra time is its cost.
             one = (watched["ms_mean"] - plain["ms_mean"]) * watched["timed_per_fit"]
+            every = watched["every_n_steps"]
             extra.append(one)
             overhead.append(100 * one / (every * plain["ms_mean"]))
     rows.append(f"| {name}: FP8Monitor, one measurement with a probe batch (extra ms of a fit's timed steps) | "
                 f"{timing.cell(extra, '{:.1f}')} |")
-    rows.append(f"| {name}: FP8Monitor at every_n_steps={every} (one measurement over {every} steps), "
-                f"% of the step time | {timing.cell(overhead, '{:.1f}', '%')} |")
+    spread = f"every_n_steps={every} (one measurement over {every} steps)" if every else "its every_n_steps"
+    rows.append(f"| {name}: FP8Monitor at {spread}, % of the step time | {timing.cell(overhead, '{:.1f}', '%')} |")
     return rows
 
 

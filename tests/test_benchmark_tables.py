@@ -293,7 +293,7 @@ class ModelTest(parameterized.TestCase):
             records.append([{"variant": "fp8_hybrid", "row": "keras-jax", "ms": 100.0, "ms_mean": 100.0,
                              "timed_per_fit": 4},
                             {"variant": "fp8_hybrid+monitor", "row": "keras-jax", "ms": 100.0 + p,
-                             "ms_mean": 105.0, "timed_per_fit": 4}])
+                             "ms_mean": 105.0, "timed_per_fit": 4, "every_n_steps": 50}])
         ratios = "\n".join(_rows(model.tables(records), model.RATIO_HEADER))
         self.assertIn("a step it does not measure (step time with it over without, medians) | 1.01x [1.00-1.02] |",
                       ratios)
