@@ -201,7 +201,8 @@ class FP8Monitor(keras.callbacks.Callback):
         layer_recipes = tuple(layer.active_recipe(or_built=True) for _, layer in built)
         if self._table_key != layer_recipes:
             self._table_key = layer_recipes
-            self._table = backends.get().compile_function(_stats_table(layer_recipes))
+            backend = backends.get()
+            self._table = backend.compile_function(_stats_table(layer_recipes, backend.tensor_stats_function()))
         states = [_state(layer) for _, layer in built]
         inputs = [_joined(captured.get(id(layer), {}).get("input")) for _, layer in built]
         grads = [_joined(captured.get(id(layer), {}).get("grad")) for _, layer in built]
@@ -378,17 +379,17 @@ def _state(layer):
     return state
 
 
-def _forward_stats(recipe, state, role, x):
+def _forward_stats(recipe, state, role, x, tensor_stats):
     history, scale = state[f"{role}_amax_history"], state[f"{role}_scale"]
     if x is None or not isinstance(recipe, _PER_TENSOR):
         nan = ops.convert_to_tensor(float("nan"), "float32")
         return {"amax": history[0], "scale": scale, "saturation": nan, "underflow": nan, "sqnr_db": nan}
     fmt = recipe.forward_format
     scale_used, _, _ = numerics.operand_scale(numerics.compute_amax(x), history, scale, fmt, recipe, record=False)
-    return numerics.quantization_stats(x, scale_used, fmt)
+    return tensor_stats(x, scale_used, fmt)
 
 
-def _grad_stats(recipe, state, grad):
+def _grad_stats(recipe, state, grad, tensor_stats):
     # The gradient state as the next training forward leaves it (the pending
     # amax folded): the scale is the one the next backward uses.
     fmt = recipe.backward_format
@@ -400,19 +401,21 @@ def _grad_stats(recipe, state, grad):
         amax = ops.maximum(pending[0], history[0]) if grad is None else numerics.compute_amax(grad)
         return {"amax": amax, "scale": scale, "saturation": nan, "underflow": nan, "sqnr_db": nan}
     grad_scale = numerics.backward_scale(numerics.compute_amax(grad), history, scale, fmt, recipe)
-    return numerics.quantization_stats(grad, grad_scale, fmt)
+    return tensor_stats(grad, grad_scale, fmt)
 
 
-def _stats_table(layer_recipes):
-    """`table(states, inputs, grads)` -> `(layers, roles, stats)` float32."""
+def _stats_table(layer_recipes, tensor_stats):
+    """`table(states, inputs, grads)` -> `(layers, roles, stats)` float32;
+    `tensor_stats` is `numerics.quantization_stats` as the backend runs it
+    (`tensor_stats_function` in keras_fp8/backends/)."""
 
     def table(states, inputs, grads):
         rows = []
         for recipe, state, x, grad in zip(layer_recipes, states, inputs, grads):
             per_role = (
-                _forward_stats(recipe, state, "input", x),
-                _forward_stats(recipe, state, "kernel", state["kernel"]),
-                _grad_stats(recipe, state, grad),
+                _forward_stats(recipe, state, "input", x, tensor_stats),
+                _forward_stats(recipe, state, "kernel", state["kernel"], tensor_stats),
+                _grad_stats(recipe, state, grad, tensor_stats),
             )
             rows.append(ops.stack([ops.stack([ops.cast(stats[k], "float32") for k in STATS]) for stats in per_role]))
         return ops.stack(rows)

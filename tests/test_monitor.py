@@ -12,6 +12,7 @@ import keras_fp8
 from keras_fp8 import numerics
 from keras_fp8 import probe
 from tests import reference
+from tests.backend_utils import real_fp8_gemm
 from tests.backend_utils import to_numpy
 
 # The monitor's logic is the same on every backend; what differs (the
@@ -253,3 +254,123 @@ def test_layers_say_what_they_run():
     assert layer.active_recipe() == keras_fp8.DelayedScaling()
     with pytest.raises(TypeError, match="or_built: expected a bool, got 'yes'"):
         layer.active_recipe(or_built="yes")
+
+
+def _stats_cases(device):
+    """Fresh random tensors (never zeros), ragged and aligned, tiny and huge
+    magnitudes, with scales that saturate, fit and flush to zero, some with
+    non-finite elements."""
+    import torch
+
+    shapes = [(37, 53), (256, 64)] + ([(4099, 4097)] if device == "cuda" else [])
+    rng = np.random.default_rng(11)
+    for i, shape in enumerate(shapes):
+        for fmt, magnitude in (("e4m3", 1e3), ("e5m2", 1e-6)):
+            for dtype in (torch.bfloat16, torch.float32):
+                x = rng.standard_normal(shape).astype(np.float32) * magnitude
+                if i == 0:
+                    x[0, 0], x[1, 2] = np.nan, -np.inf
+                x = torch.tensor(x, device=device).to(dtype)
+                amax = float(x.float().nan_to_num(0, 0, 0).abs().max())
+                fmt_max = reference.FMT[fmt][1]
+                for scale in (amax / fmt_max * 0.25, amax / fmt_max, amax * 1e3):
+                    yield x, torch.tensor(scale, dtype=torch.float32, device=device), fmt
+
+
+@torch_only
+def test_monitor_compiled_statistics_match_eager():
+    # The torch backend compiles the statistics of large GPU tensors; the
+    # compiled function is checked here on this machine's device (the CPU in CI).
+    import torch
+
+    from keras_fp8.backends import torch as torch_backend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    run = torch_backend._compiled_tensor_stats
+    kernel = torch.nn.Parameter(torch.randn(48, 80, device=device))
+    with torch.no_grad():
+        cases = list(_stats_cases(device)) + [(kernel, torch.tensor(0.01, device=device), "e4m3")]
+        for x, scale, fmt in cases:
+            want = numerics.quantization_stats(x, scale, fmt)
+            got = run(x, scale, fmt)
+            for key in ("amax", "scale", "saturation", "underflow", "sqnr_db"):
+                # float32 sums in another order; a dB value's error is absolute.
+                np.testing.assert_allclose(
+                    float(got[key]), float(want[key]), rtol=1e-5, atol=1e-4 if key == "sqnr_db" else 0,
+                    err_msg=f"{key}: {tuple(x.shape)} {x.dtype} {fmt} scale {float(scale):g}")
+    assert torch_backend._stats_compile_failure is None
+
+
+@torch_only
+def test_monitor_compile_failure_warns_once_and_runs_eagerly(monkeypatch):
+    import torch
+
+    from keras_fp8.backends import torch as torch_backend
+
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("no compiler here\nsecond line")
+
+    monkeypatch.setattr(torch_backend, "_compiled_stats", broken)
+    monkeypatch.setattr(torch_backend, "_stats_compile_failure", None)
+    x = torch.tensor(np.random.default_rng(3).standard_normal((40, 24)).astype(np.float32))
+    scale = torch.tensor(0.01)
+    want = numerics.quantization_stats(x, scale, "e4m3")
+    with pytest.warns(UserWarning, match="torch.compile of the statistics failed.*RuntimeError: no compiler here$"):
+        got = torch_backend._compiled_tensor_stats(x, scale, "e4m3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = torch_backend._compiled_tensor_stats(x, scale, "e4m3")
+    assert len(calls) == 1
+    for key in want:
+        assert float(got[key]) == float(want[key]) == float(again[key])
+
+
+@torch_only
+def test_monitor_table_compiles_in_its_first_run_only(monkeypatch):
+    # A measurement in the middle of training must not stop for a
+    # compilation: after a table's first run, what would need one runs eagerly.
+    import torch
+    from torch._dynamo.utils import counters
+
+    from keras_fp8.backends import torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "_tensor_stats", torch_backend._compiled_tensor_stats)  # any device
+    monkeypatch.setattr(torch_backend, "_compiled_stats", None)
+    monkeypatch.setattr(torch_backend, "_stats_compile_failure", None)
+    torch._dynamo.reset()
+    stats = torch_backend.tensor_stats_function()
+    scale = torch.tensor(0.01)
+    table = torch_backend.compile_function(lambda x, fmt: stats(x, scale, fmt))
+    x = torch.tensor(np.random.default_rng(5).standard_normal((48, 40)).astype(np.float32))
+    graphs = counters["stats"]["unique_graphs"]
+    table(x, "e4m3")
+    assert counters["stats"]["unique_graphs"] > graphs
+    graphs = counters["stats"]["unique_graphs"]
+    got = table(x, "e5m2")  # another format would compile again
+    assert counters["stats"]["unique_graphs"] == graphs
+    want = numerics.quantization_stats(x, scale, "e5m2")
+    for key in want:
+        assert float(got[key]) == float(want[key]), key
+    table(x, "e4m3")  # the first run's code still serves
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@torch_only
+@pytest.mark.skipif(not real_fp8_gemm(), reason="needs an FP8 GPU (torch_ops kernels)")
+def test_monitor_compiles_the_statistics_of_large_gpu_tensors_only(monkeypatch):
+    import torch
+
+    from keras_fp8.backends import torch as torch_backend
+
+    compiled = []
+    monkeypatch.setattr(torch_backend, "_compiled_tensor_stats", lambda x, scale, fmt: compiled.append(x.shape))
+    stats = torch_backend.tensor_stats_function()
+    scale = torch.tensor(0.01, device="cuda")
+    large = 1 + torch_backend.STATS_COMPILE_MIN_ELEMENTS // 4096
+    for shape in ((64, 48), (large, 4096)):
+        stats(torch.randn(shape, device="cuda", dtype=torch.bfloat16), scale, "e4m3")
+    stats(torch.randn(large, 4096, dtype=torch.bfloat16), scale.cpu(), "e4m3")
+    assert compiled == [(large, 4096)]

@@ -466,3 +466,10 @@ def compile_function(fn):
     """How the monitor runs its statistics (`keras_fp8.callbacks`): one
     compiled program (eager JAX would compile every op of it separately)."""
     return jax.jit(fn)
+
+
+def tensor_stats_function():
+    """How the monitor's table computes one tensor's statistics:
+    `numerics.quantization_stats` itself (`compile_function` compiles the
+    whole table into one program)."""
+    return numerics.quantization_stats

@@ -9,7 +9,9 @@ call; under torch.compile (`jit_compile=True`) and on every other device the
 compiled training therefore run the same ops on the same state.
 """
 
+import contextlib
 import functools
+import warnings
 
 import torch
 import torch_ops
@@ -17,6 +19,7 @@ from keras import activations
 from torch_ops import extension as torch_ops_extension
 
 from keras_fp8 import compat
+from keras_fp8 import numerics
 
 
 def _kernels_for(x):
@@ -200,15 +203,79 @@ def probe_function(loss_fn):
 
 
 def compile_function(fn):
-    """How the monitor runs its statistics (`keras_fp8.callbacks`): eagerly,
-    without autograd. The kernels they read are parameters that require a
-    gradient: a recorded graph would keep every intermediate of every
-    layer's statistics alive as long as the table (on a billion-parameter
-    model, more memory than its training step)."""
+    """How the monitor runs its statistics table (`keras_fp8.callbacks`):
+    eagerly, without autograd, each tensor's statistics by
+    `tensor_stats_function`. The kernels they read are parameters that
+    require a gradient: a recorded graph would keep every intermediate of
+    every layer's statistics alive as long as the table (on a
+    billion-parameter model, more memory than its training step).
+
+    The table's first run compiles the statistics for the shapes and
+    formats it meets; later runs reuse that code and run eagerly wherever it
+    does not apply (`torch.compiler.set_stance("eager_on_recompile")`), so
+    that a measurement in the middle of training never stops for a
+    compilation."""
+    runs = 0
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with torch.no_grad():
-            return fn(*args, **kwargs)
+        nonlocal runs
+        settled = runs > 0 and hasattr(torch.compiler, "set_stance")
+        stance = torch.compiler.set_stance("eager_on_recompile") if settled else contextlib.nullcontext()
+        with torch.no_grad(), stance:
+            out = fn(*args, **kwargs)
+        runs += 1
+        return out
 
     return run
+
+
+# `numerics.quantization_stats` compiled for GPU tensors (`tensor_stats_function`),
+# built on first use; `_stats_compile_failure` keeps why compiling failed.
+# Tensors below STATS_COMPILE_MIN_ELEMENTS run eagerly: on one H200 a
+# 16384 x 4096 tensor's statistics take 6.0 ms eagerly and 0.74 ms
+# compiled, and compiling takes seconds once; a small model's statistics
+# cost little either way.
+STATS_COMPILE_MIN_ELEMENTS = 1 << 24
+_compiled_stats = None
+_stats_compile_failure = None
+
+
+def tensor_stats_function():
+    """How the monitor's table computes one tensor's statistics
+    (`numerics.quantization_stats`): for a tensor on a GPU of at least
+    `STATS_COMPILE_MIN_ELEMENTS` elements, compiled by `torch.compile`
+    (dynamic shapes, the input widened to float32 first, so one
+    compilation per FP8 format), else eagerly. Eagerly each of its
+    elementwise passes and reductions (some forty) reads and writes the
+    whole tensor in float32; compiled, they are a few fused kernels. Where
+    compiling fails, a one-time warning names why and the eager function
+    runs from then on. Before torch 2.6 they run eagerly."""
+    return _tensor_stats
+
+
+def _tensor_stats(x, scale, fmt):
+    # `compile_function` needs `torch.compiler.set_stance` (torch 2.6 on).
+    if x.device.type == "cuda" and x.numel() >= STATS_COMPILE_MIN_ELEMENTS and hasattr(torch.compiler, "set_stance"):
+        return _compiled_tensor_stats(x, scale, fmt)
+    return numerics.quantization_stats(x, scale, fmt)
+
+
+def _compiled_tensor_stats(x, scale, fmt):
+    """`numerics.quantization_stats` by `torch.compile` (on any device)."""
+    global _compiled_stats, _stats_compile_failure
+    if _stats_compile_failure is not None:
+        return numerics.quantization_stats(x, scale, fmt)
+    if _compiled_stats is None:
+        _compiled_stats = torch.compile(numerics.quantization_stats, dynamic=True)
+    try:
+        # Detached: a parameter (the kernel) would be compiled for its own shape.
+        return _compiled_stats(x.detach().float(), scale, fmt)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # the compiler stack (inductor, triton) failed here
+        _stats_compile_failure = f"{type(e).__name__}: {e}"
+        warnings.warn(
+            "FP8Monitor: torch.compile of the statistics failed; they run eagerly (slower) from now on. "
+            f"Cause: {_stats_compile_failure.splitlines()[0]}", stacklevel=2)
+        return numerics.quantization_stats(x, scale, fmt)
