@@ -485,3 +485,29 @@ def test_jax_fp8_dot_probe_dry_run():
     bad = subprocess.run([sys.executable, os.path.join(root, "tools", "jax_fp8_dot_probe.py"), "--ways", "fp4"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--ways: expected names from" in bad.stderr
+
+
+def test_decoder_profile_dry_run(tmp_path):
+    # tools/decoder_profile.py at the tiny decoder, a process of its own, with
+    # a stand-in nvidia-smi printing two samples (a CPU has no kernel rows).
+    import subprocess
+    import sys
+
+    if keras.backend.backend() != "torch":
+        pytest.skip("backend-agnostic tool logic, run once (under torch)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '1545, 674.5, 51, 0x0000000000000004'\n"
+                   "echo '1860, 562.9, 49, 0x0000000000000004'\nexec sleep 60\n")
+    smi.chmod(0o755)
+    env = dict(os.environ, KERAS_BACKEND="torch", PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    tool = os.path.join(root, "tools", "decoder_profile.py")
+    done = subprocess.run([sys.executable, tool, "--dry-run", "--policies", "fp8_hybrid", "--fits", "1"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"=== torch decoder, fp8_hybrid: step [0-9.]+ ms \(median\)", done.stdout)
+    assert ("clocks: 2 samples, SM clock median 1702 MHz [1545-1860], power median 619 W (max 674), "
+            "temperature max 51 C, clock event reasons 0x0000000000000004 in 2") in done.stdout
+    bad = subprocess.run([sys.executable, tool, "--fits", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--fits: expected a positive integer, got 0" in bad.stderr
