@@ -215,16 +215,16 @@ def compile_function(fn):
     does not apply (`torch.compiler.set_stance("eager_on_recompile")`), so
     that a measurement in the middle of training never stops for a
     compilation."""
-    runs = 0
+    ran = False
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        nonlocal runs
-        settled = runs > 0 and hasattr(torch.compiler, "set_stance")
+        nonlocal ran
+        settled = ran and _CAN_SETTLE
         stance = torch.compiler.set_stance("eager_on_recompile") if settled else contextlib.nullcontext()
         with torch.no_grad(), stance:
             out = fn(*args, **kwargs)
-        runs += 1
+        ran = True
         return out
 
     return run
@@ -237,6 +237,9 @@ def compile_function(fn):
 # compiled, and compiling takes seconds once; a small model's statistics
 # cost little either way.
 STATS_COMPILE_MIN_ELEMENTS = 1 << 24
+# `compile_function` settles a table after its first run with
+# `torch.compiler.set_stance` (torch 2.6 on); without it nothing compiles.
+_CAN_SETTLE = hasattr(torch.compiler, "set_stance")
 _compiled_stats = None
 _stats_compile_failure = None
 
@@ -255,8 +258,7 @@ def tensor_stats_function():
 
 
 def _tensor_stats(x, scale, fmt):
-    # `compile_function` needs `torch.compiler.set_stance` (torch 2.6 on).
-    if x.device.type == "cuda" and x.numel() >= STATS_COMPILE_MIN_ELEMENTS and hasattr(torch.compiler, "set_stance"):
+    if _CAN_SETTLE and x.device.type == "cuda" and x.numel() >= STATS_COMPILE_MIN_ELEMENTS:
         return _compiled_tensor_stats(x, scale, fmt)
     return numerics.quantization_stats(x, scale, fmt)
 
