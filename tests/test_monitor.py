@@ -302,6 +302,16 @@ def test_monitor_compiled_statistics_match_eager():
 
 
 @torch_only
+def test_monitor_compiles_with_correctly_rounded_division():
+    # Triton's float32 division is approximate; the statistics' reciprocal
+    # must round as eager's does (an element at the format's edge otherwise
+    # flips its saturation on a GPU).
+    from keras_fp8.backends import torch as torch_backend
+
+    assert torch_backend._eager_division(), "this torch has no inductor option for correctly rounded division"
+
+
+@torch_only
 def test_monitor_compile_failure_warns_once_and_runs_eagerly(monkeypatch):
     import torch
 

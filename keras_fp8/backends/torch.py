@@ -263,13 +263,25 @@ def _tensor_stats(x, scale, fmt):
     return numerics.quantization_stats(x, scale, fmt)
 
 
+def _eager_division():
+    """Inductor options under which a compiled float32 division rounds
+    correctly, as eager's does: Triton's `/` is approximate (up to 2 ulp),
+    and `reciprocal(scale)` 1 ulp off moves an element at the format's edge
+    across the saturation test (seen on an H100). Empty where this torch
+    has no such option."""
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    return {key: True for key in ("eager_numerics.division_rounding", "emulate_division_rounding") if key in known}
+
+
 def _compiled_tensor_stats(x, scale, fmt):
     """`numerics.quantization_stats` by `torch.compile` (on any device)."""
     global _compiled_stats, _stats_compile_failure
     if _stats_compile_failure is not None:
         return numerics.quantization_stats(x, scale, fmt)
     if _compiled_stats is None:
-        _compiled_stats = torch.compile(numerics.quantization_stats, dynamic=True)
+        _compiled_stats = torch.compile(numerics.quantization_stats, dynamic=True, options=_eager_division())
     try:
         # Detached: a parameter (the kernel) would be compiled for its own shape.
         return _compiled_stats(x.detach().float(), scale, fmt)
