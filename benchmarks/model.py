@@ -32,7 +32,9 @@ the first step of each call left out):
   does not measure, and the mean over the timed steps against
   `fp8_hybrid`'s gives one measurement's cost (x the timed steps per fit),
   from which the tables derive the overhead at the default
-  `every_n_steps`;
+  `every_n_steps`. Each measurement is also timed directly (its
+  `measure` call): the median and the slowest of the timed fits', which
+  tell a measurement's own cost from other work the fit's steps took;
 - torch peers (`--peers auto`: with the torch backend on a GPU), the same
   network in plain PyTorch: `torch-bf16` (bf16 autocast, fused AdamW, each
   block `torch.compile`d) and `torchao` (the same with torchao's float8
@@ -272,6 +274,20 @@ class KerasVariant:
         self.torch_memory = torch_memory
         self.monitor = monitor
         self.mem_gib = None
+        # Each FP8Monitor.measure call's wall time. It starts after the timer's
+        # callback has read the step's loss (the device is idle) and ends with
+        # the table's transfer to the host, so no synchronization is added.
+        self.measure_ms = []
+        if monitor is not None:
+            measure = monitor.measure
+
+            def timed_measure(model):
+                t0 = time.perf_counter()
+                out = measure(model)
+                self.measure_ms.append(1e3 * (time.perf_counter() - t0))
+                return out
+
+            monitor.measure = timed_measure
 
     def fit(self, x, y, steps, batch, measure_memory=False):
         memory_step = 1 if (measure_memory and self.torch_memory) else None
@@ -477,6 +493,9 @@ def worker(args):
         print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
         if backend == "jax" and i == 0 and args.memory:
             jax_mem[name] = _jax_memory()
+    for variant in variants.values():
+        if isinstance(variant, KerasVariant):
+            variant.measure_ms.clear()  # the warm-up's measurement compiles
     samples = {name: [] for name in variants}
     losses = {name: [] for name in variants}
     rng = random.Random(args.worker or 0)
@@ -504,7 +523,12 @@ def worker(args):
         med = statistics.median(samples[name])
         mem = variants[name].mem_gib if backend == "torch" else jax_mem.get(name)
         monitor = getattr(variants[name], "monitor", None)
-        extra = {} if monitor is None else {"every_n_steps": monitor.every_n_steps}
+        extra = {}
+        if monitor is not None:
+            timed = variants[name].measure_ms
+            extra = {"every_n_steps": monitor.every_n_steps, "measurements": len(timed),
+                     "measure_ms": statistics.median(timed) if timed else None,
+                     "measure_ms_max": max(timed) if timed else None}
         timing.emit(timing.variant_record(name, med, row=stack, tok_per_s=tokens / med * 1e3, steps=len(samples[name]),
                                           ms_mean=statistics.fmean(samples[name]), timed_per_fit=args.steps - 1,
                                           mem_gib=mem, loss_first=losses[name][0], loss_last=losses[name][-1],
@@ -538,8 +562,9 @@ def _variants_of(res, row):
 
 def _monitor_rows(res, row, name, fp8):
     """FP8Monitor's cost: the steps it does not measure (medians), one
-    measurement (from the means: one per fit) and that measurement spread
-    over the monitor's `every_n_steps`."""
+    measurement (from the means: one per fit), that measurement spread
+    over the monitor's `every_n_steps`, and the measurements timed
+    directly (each process's median and slowest)."""
     rows = [f"| {name}: FP8Monitor, a step it does not measure (step time with it over without, medians) "
             f"| {res.ratio(row, fp8, fp8 + MONITOR)} |"]
     extra, overhead, every = [], [], None
@@ -553,6 +578,11 @@ def _monitor_rows(res, row, name, fp8):
             overhead.append(100 * one / (every * plain["ms_mean"]))
     rows.append(f"| {name}: FP8Monitor, one measurement with a probe batch (extra ms of a fit's timed steps) | "
                 f"{timing.cell(extra, '{:.1f}')} |")
+    direct = [d.get((row, fp8 + MONITOR), {}) for d in res.index]
+    rows.append(f"| {name}: FP8Monitor, one measurement timed directly (FP8Monitor.measure, median ms) | "
+                f"{timing.cell([d.get('measure_ms') for d in direct], '{:.1f}')} |")
+    rows.append(f"| {name}: FP8Monitor, the slowest timed measurement (ms) | "
+                f"{timing.cell([d.get('measure_ms_max') for d in direct], '{:.1f}')} |")
     spread = f"every_n_steps={every} (one measurement over {every} steps)" if every else "its every_n_steps"
     rows.append(f"| {name}: FP8Monitor at {spread}, % of the step time | {timing.cell(overhead, '{:.1f}', '%')} |")
     return rows

@@ -293,7 +293,8 @@ class ModelTest(parameterized.TestCase):
             records.append([{"variant": "fp8_hybrid", "row": "keras-jax", "ms": 100.0, "ms_mean": 100.0,
                              "timed_per_fit": 4},
                             {"variant": "fp8_hybrid+monitor", "row": "keras-jax", "ms": 100.0 + p,
-                             "ms_mean": 105.0, "timed_per_fit": 4, "every_n_steps": 50}])
+                             "ms_mean": 105.0, "timed_per_fit": 4, "every_n_steps": 50,
+                             "measurements": 3, "measure_ms": 19.0 + p, "measure_ms_max": 30.0 + p}])
         ratios = "\n".join(_rows(model.tables(records), model.RATIO_HEADER))
         self.assertIn("a step it does not measure (step time with it over without, medians) | 1.01x [1.00-1.02] |",
                       ratios)
@@ -302,6 +303,21 @@ class ModelTest(parameterized.TestCase):
         # 20 ms over 50 steps of 100 ms.
         self.assertIn("every_n_steps=50 (one measurement over 50 steps), % of the step time | 0.4% [0.4-0.4] |",
                       ratios)
+        self.assertIn("one measurement timed directly (FP8Monitor.measure, median ms) | 20.0 [19.0-21.0] |", ratios)
+        self.assertIn("the slowest timed measurement (ms) | 31.0 [30.0-32.0] |", ratios)
+
+    def test_monitor_measurements_are_timed_in_the_timed_fits(self):
+        # The tiny decoder, two rounds: one measurement per fit, the
+        # warm-up's left out, each timed.
+        if keras.backend.backend() != "torch":
+            self.skipTest("one backend is enough for the worker's bookkeeping")
+        records = _run_worker(model, ["--size", "tiny", "--rounds", "2", "--steps", "3", "--warmup", "1",
+                                      "--backends", "torch", "--monitor", "--peers", "none", "--no-shortcut-ablation"])
+        watched = [r for r in records if r.get("variant") == "fp8_hybrid+monitor"]
+        self.assertLen(watched, 1)
+        self.assertEqual(watched[0]["measurements"], 2)
+        self.assertGreater(watched[0]["measure_ms"], 0)
+        self.assertGreaterEqual(watched[0]["measure_ms_max"], watched[0]["measure_ms"])
 
     def test_shortcut_dense_matches_dense(self):
         if keras.backend.backend() != "torch":
