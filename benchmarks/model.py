@@ -46,7 +46,11 @@ every other model of the process stay resident); JAX, the device's
 `peak_bytes_in_use` after the warm-up `fit` minus `bytes_in_use` then,
 taken only for the variant a process warms up first (the peak never
 resets; the warm-up order rotates with the process index, so with two
-policies and two or more processes each gets measured).
+policies and two or more processes each gets measured). Torch on a GPU
+also prints the device memory free when a process starts and counts, in
+each Keras variant's record, the caching allocator's retries in its timed
+fits (`alloc_retries`): both show memory pressure that step times alone
+would hide.
 """
 
 from __future__ import annotations
@@ -265,6 +269,17 @@ def monitor_callback(probe=None):
     return FP8Monitor(probe=probe)
 
 
+def _alloc_retries():
+    """The CUDA caching allocator's retry count (torch on a GPU), else None."""
+    import keras
+
+    if keras.backend.backend() != "torch":
+        return None
+    import torch
+
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else None
+
+
 class KerasVariant:
     """One Keras variant: a model (shared with its +shortcut / +monitor
     twin) and how its fit calls run."""
@@ -278,6 +293,9 @@ class KerasVariant:
         # callback has read the step's loss (the device is idle) and ends with
         # the table's transfer to the host, so no synchronization is added.
         self.measure_ms = []
+        # The CUDA caching allocator's retries (a synchronizing free of its
+        # cache and a new cudaMalloc, after one failed) in the timed fits.
+        self.alloc_retries = 0
         if monitor is not None:
             measure = monitor.measure
 
@@ -299,11 +317,14 @@ class KerasVariant:
         n = steps * batch
         if self.shortcut_cls is not None:
             self.shortcut_cls.enabled = self.name.endswith(SHORTCUT)
+        retries = _alloc_retries()
         try:
             self.model.fit(x[:n], y[:n], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
         finally:
             if self.shortcut_cls is not None:
                 self.shortcut_cls.enabled = False
+        if retries is not None:
+            self.alloc_retries += _alloc_retries() - retries
         if timer.mem_gib is not None:
             self.mem_gib = timer.mem_gib
         return [1e3 * (b - a) for a, b in zip(timer.stamps, timer.stamps[1:])], timer.losses
@@ -426,6 +447,9 @@ def worker(args):
         import torch
 
         cuda = torch.cuda.is_available() and not args.dry_run
+        if cuda:  # another process holding device memory would show here
+            free, total = torch.cuda.mem_get_info()
+            print(f"device memory free at start: {free / 2**30:.1f} of {total / 2**30:.1f} GiB", flush=True)
     else:
         import jax
 
@@ -496,6 +520,7 @@ def worker(args):
     for variant in variants.values():
         if isinstance(variant, KerasVariant):
             variant.measure_ms.clear()  # the warm-up's measurement compiles
+            variant.alloc_retries = 0
     samples = {name: [] for name in variants}
     losses = {name: [] for name in variants}
     rng = random.Random(args.worker or 0)
@@ -524,11 +549,13 @@ def worker(args):
         mem = variants[name].mem_gib if backend == "torch" else jax_mem.get(name)
         monitor = getattr(variants[name], "monitor", None)
         extra = {}
+        if isinstance(variants[name], KerasVariant) and backend == "torch" and cuda:
+            extra["alloc_retries"] = variants[name].alloc_retries
         if monitor is not None:
             timed = variants[name].measure_ms
-            extra = {"every_n_steps": monitor.every_n_steps, "measurements": len(timed),
-                     "measure_ms": statistics.median(timed) if timed else None,
-                     "measure_ms_max": max(timed) if timed else None}
+            extra.update(every_n_steps=monitor.every_n_steps, measurements=len(timed),
+                         measure_ms=statistics.median(timed) if timed else None,
+                         measure_ms_max=max(timed) if timed else None)
         timing.emit(timing.variant_record(name, med, row=stack, tok_per_s=tokens / med * 1e3, steps=len(samples[name]),
                                           ms_mean=statistics.fmean(samples[name]), timed_per_fit=args.steps - 1,
                                           mem_gib=mem, loss_first=losses[name][0], loss_last=losses[name][-1],
@@ -578,13 +605,13 @@ def _monitor_rows(res, row, name, fp8):
             overhead.append(100 * one / (every * plain["ms_mean"]))
     rows.append(f"| {name}: FP8Monitor, one measurement with a probe batch (extra ms of a fit's timed steps) | "
                 f"{timing.cell(extra, '{:.1f}')} |")
+    spread = f"every_n_steps={every} (one measurement over {every} steps)" if every else "its every_n_steps"
+    rows.append(f"| {name}: FP8Monitor at {spread}, % of the step time | {timing.cell(overhead, '{:.1f}', '%')} |")
     direct = [d.get((row, fp8 + MONITOR), {}) for d in res.index]
     rows.append(f"| {name}: FP8Monitor, one measurement timed directly (FP8Monitor.measure, median ms) | "
                 f"{timing.cell([d.get('measure_ms') for d in direct], '{:.1f}')} |")
     rows.append(f"| {name}: FP8Monitor, the slowest timed measurement (ms) | "
                 f"{timing.cell([d.get('measure_ms_max') for d in direct], '{:.1f}')} |")
-    spread = f"every_n_steps={every} (one measurement over {every} steps)" if every else "its every_n_steps"
-    rows.append(f"| {name}: FP8Monitor at {spread}, % of the step time | {timing.cell(overhead, '{:.1f}', '%')} |")
     return rows
 
 
