@@ -270,23 +270,19 @@ def monitor_callback(probe=None):
 
 
 def _alloc_retries():
-    """The CUDA caching allocator's retry count (torch on a GPU), else None."""
-    import keras
-
-    if keras.backend.backend() != "torch":
-        return None
+    """The CUDA caching allocator's retry count so far (torch on a GPU)."""
     import torch
 
-    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else None
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
 
 class KerasVariant:
     """One Keras variant: a model (shared with its +shortcut / +monitor
     twin) and how its fit calls run."""
 
-    def __init__(self, name, model, shortcut_cls, torch_memory, monitor=None):
+    def __init__(self, name, model, shortcut_cls, torch_memory, torch_cuda=False, monitor=None):
         self.name, self.model, self.shortcut_cls = name, model, shortcut_cls
-        self.torch_memory = torch_memory
+        self.torch_memory, self.torch_cuda = torch_memory, torch_cuda
         self.monitor = monitor
         self.mem_gib = None
         # Each FP8Monitor.measure call's wall time. It starts after the timer's
@@ -294,7 +290,8 @@ class KerasVariant:
         # the table's transfer to the host, so no synchronization is added.
         self.measure_ms = []
         # The CUDA caching allocator's retries (a synchronizing free of its
-        # cache and a new cudaMalloc, after one failed) in the timed fits.
+        # cache and a new cudaMalloc, after one failed) in the timed fits;
+        # counted under torch on a GPU only.
         self.alloc_retries = 0
         if monitor is not None:
             measure = monitor.measure
@@ -317,7 +314,7 @@ class KerasVariant:
         n = steps * batch
         if self.shortcut_cls is not None:
             self.shortcut_cls.enabled = self.name.endswith(SHORTCUT)
-        retries = _alloc_retries()
+        retries = _alloc_retries() if self.torch_cuda else None
         try:
             self.model.fit(x[:n], y[:n], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
         finally:
@@ -482,7 +479,8 @@ def worker(args):
             # The monitor's variant shares fp8_hybrid's model: its step memory is that one's (and the
             # probe tensors the monitor holds between steps would blur it).
             variants[name] = KerasVariant(name, models[policy], shortcut_cls, torch_memory=cuda and args.memory
-                                          and backend == "torch" and not name.endswith(MONITOR), monitor=monitor)
+                                          and backend == "torch" and not name.endswith(MONITOR),
+                                          torch_cuda=cuda and backend == "torch", monitor=monitor)
         except Exception as e:  # noqa: BLE001
             problems[name] = timing.failure(e)
     peer_names = []
@@ -549,7 +547,7 @@ def worker(args):
         mem = variants[name].mem_gib if backend == "torch" else jax_mem.get(name)
         monitor = getattr(variants[name], "monitor", None)
         extra = {}
-        if isinstance(variants[name], KerasVariant) and backend == "torch" and cuda:
+        if getattr(variants[name], "torch_cuda", False):
             extra["alloc_retries"] = variants[name].alloc_retries
         if monitor is not None:
             timed = variants[name].measure_ms
