@@ -605,11 +605,10 @@ def _monitor_rows(res, row, name, fp8):
                 f"{timing.cell(extra, '{:.1f}')} |")
     spread = f"every_n_steps={every} (one measurement over {every} steps)" if every else "its every_n_steps"
     rows.append(f"| {name}: FP8Monitor at {spread}, % of the step time | {timing.cell(overhead, '{:.1f}', '%')} |")
-    direct = [d.get((row, fp8 + MONITOR), {}) for d in res.index]
     rows.append(f"| {name}: FP8Monitor, one measurement timed directly (FP8Monitor.measure, median ms) | "
-                f"{timing.cell([d.get('measure_ms') for d in direct], '{:.1f}')} |")
+                f"{timing.cell(res.values(row, fp8 + MONITOR, 'measure_ms'), '{:.1f}')} |")
     rows.append(f"| {name}: FP8Monitor, the slowest timed measurement (ms) | "
-                f"{timing.cell([d.get('measure_ms_max') for d in direct], '{:.1f}')} |")
+                f"{timing.cell(res.values(row, fp8 + MONITOR, 'measure_ms_max'), '{:.1f}')} |")
     return rows
 
 
