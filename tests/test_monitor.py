@@ -302,6 +302,29 @@ def test_monitor_compiled_statistics_match_eager():
 
 
 @torch_only
+def test_monitor_compiled_statistics_bypass_the_fx_graph_cache(monkeypatch):
+    # Inductor splits a reduction according to the sizes it compiles for and
+    # its FX graph cache key leaves them out: an entry cached for a small
+    # tensor (as here) would run a later process's large tensors unsplit.
+    import torch
+    from torch._dynamo.utils import counters
+
+    from keras_fp8.backends import torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "_compiled_stats", None)
+    monkeypatch.setattr(torch_backend, "_stats_compile_failure", None)
+    torch._dynamo.reset()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inductor, aot = dict(counters["inductor"]), dict(counters["aot_autograd"])
+    x = torch.tensor(np.random.default_rng(7).standard_normal((40, 56)).astype(np.float32), device=device)
+    torch_backend._compiled_tensor_stats(x, torch.tensor(0.01, device=device), "e5m2")
+    assert torch_backend._stats_compile_failure is None
+    for key in ("fxgraph_cache_hit", "fxgraph_cache_miss"):
+        assert counters["inductor"][key] == inductor.get(key, 0), key
+    assert counters["aot_autograd"]["autograd_cache_bypass"] > aot.get("autograd_cache_bypass", 0)
+
+
+@torch_only
 def test_monitor_compiles_with_correctly_rounded_division():
     # Triton's float32 division is approximate; the statistics' reciprocal
     # must round as eager's does (an element at the format's edge otherwise

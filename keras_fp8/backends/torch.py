@@ -275,13 +275,27 @@ def _eager_division():
     return {key: True for key in ("eager_numerics.division_rounding", "emulate_division_rounding") if key in known}
 
 
+def _stats_compile_options():
+    """Inductor options of the compiled statistics: correctly rounded
+    division (`_eager_division`) and no FX graph cache. Under dynamic
+    shapes inductor splits a reduction according to the sizes of the
+    tensor it compiles for, and the cache key leaves those sizes out: a
+    compilation cached for a small tensor (the tests compile some) ran a
+    later process's large tensors through one unsplit reduction (on one
+    H100, a 16384 x 14336 tensor's statistics took 159.6 ms instead of
+    2.6 ms, and the decoder's monitor 4.4 s a measurement instead of 0.36
+    s). Uncached, each process compiles for its own first tensor, which
+    `_tensor_stats` keeps at `STATS_COMPILE_MIN_ELEMENTS` or more."""
+    return {**_eager_division(), "fx_graph_cache": False}
+
+
 def _compiled_tensor_stats(x, scale, fmt):
     """`numerics.quantization_stats` by `torch.compile` (on any device)."""
     global _compiled_stats, _stats_compile_failure
     if _stats_compile_failure is not None:
         return numerics.quantization_stats(x, scale, fmt)
     if _compiled_stats is None:
-        _compiled_stats = torch.compile(numerics.quantization_stats, dynamic=True, options=_eager_division())
+        _compiled_stats = torch.compile(numerics.quantization_stats, dynamic=True, options=_stats_compile_options())
     try:
         # Detached: a parameter (the kernel) would be compiled for its own shape.
         return _compiled_stats(x.detach().float(), scale, fmt)
