@@ -282,7 +282,7 @@ def _stats_compile_options():
     tensor it compiles for, and the cache key leaves those sizes out: a
     compilation cached for a small tensor (the tests compile some) ran a
     later process's large tensors through one unsplit reduction (on one
-    H100, a 16384 x 14336 tensor's statistics took 159.6 ms instead of
+    H100, a 16384 x 14336 tensor's statistics took 158.5 ms instead of
     2.6 ms, and the decoder's monitor 4.4 s a measurement instead of 0.33
     s). Uncached, each process compiles for its own first tensor, which
     `_tensor_stats` keeps at `STATS_COMPILE_MIN_ELEMENTS` or more."""
