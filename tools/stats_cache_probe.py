@@ -16,12 +16,17 @@ and the same pair without the flag in a fresh directory.
 """
 
 import argparse
+import functools
+import os
 import statistics
-import time
+import sys
 
 import torch
 
-from keras_fp8.backends import torch as torch_backend
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import timing  # noqa: E402
+from keras_fp8.backends import torch as torch_backend  # noqa: E402
 
 SMALL = [((48, 80), torch.float32, "e4m3"), ((40, 24), torch.bfloat16, "e4m3"),
          ((48, 80), torch.float32, "e5m2"), ((64, 33), torch.bfloat16, "e5m2")]
@@ -30,19 +35,13 @@ LARGE = [((16384, 4096), torch.bfloat16, "e4m3"), ((16384, 14336), torch.bfloat1
 
 
 def timed(x, scale, fmt, repeats):
-    """The first call's seconds and the later calls' milliseconds."""
+    """The first call's seconds and the later calls' milliseconds, each
+    call on the host clock up to its device work's end."""
+    timer = timing.wall_timer(sync=lambda _: torch.cuda.synchronize())
+    run = functools.partial(torch_backend._compiled_tensor_stats, x, scale, fmt)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    torch_backend._compiled_tensor_stats(x, scale, fmt)
-    torch.cuda.synchronize()
-    first = time.perf_counter() - start
-    values = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch_backend._compiled_tensor_stats(x, scale, fmt)
-        torch.cuda.synchronize()
-        values.append(1e3 * (time.perf_counter() - start))
-    return first, values
+    first = timer(run) / 1e3
+    return first, [timer(run) for _ in range(repeats)]
 
 
 def main():
