@@ -44,9 +44,9 @@ run() {  # run NAME SECONDS BACKEND PYTEST_ARGS...
 workers=()
 python3 -c "import xdist" > /dev/null 2>&1 && workers=(-n 4)
 case $part in
-  torch|all) run torch_ops 420 torch tests/torch_ops tests/test_torch_backend.py tests/test_bad_input.py & ;;&
-  keras-torch|all) run keras_torch 420 torch tests --ignore=tests/torch_ops --ignore=tests/test_torch_backend.py \
-      --ignore=tests/test_bad_input.py & ;;&
+  torch|all) run torch_ops 420 torch tests/torch_ops tests/keras/test_torch_backend.py tests/keras/test_bad_input.py & ;;&
+  keras-torch|all) run keras_torch 420 torch tests --ignore=tests/torch_ops --ignore=tests/keras/test_torch_backend.py \
+      --ignore=tests/keras/test_bad_input.py & ;;&
   keras-jax|all) run keras_jax 420 jax tests --ignore=tests/torch_ops & ;;
 esac
 wait

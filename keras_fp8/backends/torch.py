@@ -162,7 +162,7 @@ def fast_layer_call(layer, args, kwargs):
 def _compute_dtype_linear(layer, x):
     """`Dense.call` in the compute dtype, as `Layer.__call__` runs it: the
     kernel and bias autocast to the compute dtype (x's), `ops.matmul`, then
-    `ops.add` of the bias (tests/test_torch_backend.py checks it bit for
+    `ops.add` of the bias (tests/keras/test_torch_backend.py checks it bit for
     bit against the generic call)."""
     y = torch.matmul(x, compat.stored_value(layer._kernel).to(x.dtype))
     if layer.bias is not None:

@@ -27,7 +27,7 @@ import torch_ops  # noqa: E402
 from torch_ops import distributed as fp8_dist  # noqa: E402
 from torch_ops import fsdp as fp8_fsdp  # noqa: E402
 from torch_ops import gathered as fp8_gathered  # noqa: E402
-from tests.ports import free_port  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
 WORLD = 2
 STEPS = 3

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import torch_ops
-from tests.multiprocess import run_worker
+from tests.support.multiprocess import run_worker
 from tests.torch_ops import distributed_worker as worker
 from torch_ops import distributed as fp8_dist
 from torch_ops import fsdp as fp8_fsdp

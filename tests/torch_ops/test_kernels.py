@@ -16,17 +16,17 @@ from absl.testing import parameterized
 import torch_ops
 from torch_ops import ops
 from torch_ops import reference as ref
-from tests.torch_ops.helpers import DEV
-from tests.torch_ops.helpers import E4M3
-from tests.torch_ops.helpers import E5M2
-from tests.torch_ops.helpers import assert_block_gemm_close
-from tests.torch_ops.helpers import assert_gemm_close
-from tests.torch_ops.helpers import assert_same_f32
-from tests.torch_ops.helpers import assert_same_fp8
-from tests.torch_ops.helpers import kernels_required  # noqa: F401 (fixture)
-from tests.torch_ops.helpers import needs_fp8_gpu
-from tests.torch_ops.helpers import poison
-from tests.torch_ops.helpers import rand
+from tests.support.torch_checks import DEV
+from tests.support.torch_checks import E4M3
+from tests.support.torch_checks import E5M2
+from tests.support.torch_checks import assert_block_gemm_close
+from tests.support.torch_checks import assert_gemm_close
+from tests.support.torch_checks import assert_same_f32
+from tests.support.torch_checks import assert_same_fp8
+from tests.support.torch_checks import kernels_required  # noqa: F401 (fixture)
+from tests.support.torch_checks import needs_fp8_gpu
+from tests.support.torch_checks import poison
+from tests.support.torch_checks import rand
 
 pytestmark = [needs_fp8_gpu, pytest.mark.usefixtures("kernels_required")]
 

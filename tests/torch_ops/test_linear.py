@@ -16,19 +16,19 @@ from absl.testing import parameterized
 
 import torch_ops
 from torch_ops import linear as L
-from tests.torch_ops.helpers import E4M3
-from tests.torch_ops.helpers import assert_block_gemm_close
-from tests.torch_ops.helpers import assert_close
-from tests.torch_ops.helpers import assert_gemm_close
-from tests.torch_ops.helpers import assert_same_state
-from tests.torch_ops.helpers import clone_state
-from tests.torch_ops.helpers import kernels_required  # noqa: F401 (fixture)
-from tests.torch_ops.helpers import needs_fp8_gpu
-from tests.torch_ops.helpers import poison
-from tests.torch_ops.helpers import rand
-from tests.torch_ops.helpers import reference_block_linear
-from tests.torch_ops.helpers import reference_linear
-from tests.torch_ops.helpers import run_linear
+from tests.support.torch_checks import E4M3
+from tests.support.torch_checks import assert_block_gemm_close
+from tests.support.torch_checks import assert_close
+from tests.support.torch_checks import assert_gemm_close
+from tests.support.torch_checks import assert_same_state
+from tests.support.torch_checks import clone_state
+from tests.support.torch_checks import kernels_required  # noqa: F401 (fixture)
+from tests.support.torch_checks import needs_fp8_gpu
+from tests.support.torch_checks import poison
+from tests.support.torch_checks import rand
+from tests.support.torch_checks import reference_block_linear
+from tests.support.torch_checks import reference_linear
+from tests.support.torch_checks import run_linear
 
 
 def make(M, K, N, layout="out_in", dtype=torch.bfloat16, bias=True, seed=0, lead=None, device=None):

@@ -13,7 +13,7 @@ from absl.testing import parameterized
 
 import torch_ops
 
-from tests.torch_ops.helpers import DEV  # noqa: E402
+from tests.support.torch_checks import DEV  # noqa: E402
 # The layer's buffer names, in FP8LinearState's field order.
 STATE_NAMES = tuple(f.name for f in dataclasses.fields(torch_ops.FP8LinearState))
 

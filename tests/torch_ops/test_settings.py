@@ -13,8 +13,8 @@ from absl.testing import parameterized
 
 import torch_ops
 from torch_ops import extension
-from tests.backend_utils import REPO
-from tests.backend_utils import subprocess_env
+from tests.support.backend_utils import REPO
+from tests.support.backend_utils import subprocess_env
 
 
 class SettingsTest(parameterized.TestCase):
