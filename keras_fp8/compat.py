@@ -351,3 +351,21 @@ def set_policy_object(layer, policy):
 def check_load_own_variables(layer, store):
     """Keras's check that a store holds as many variables as `layer` has."""
     layer._check_load_own_variables(store)
+
+
+def optimization_barrier(x):
+    """`x` where no compiler may fold the conversion that made it with the
+    one that reads it.
+
+    `keras.ops` has no optimization barrier. On a GPU XLA folds a chain of
+    floating-point conversions into one (`SimplifyFPConversions`, with
+    `xla_allow_excess_precision` on by default): `float32 -> float8 ->
+    float32` inside one compiled function would skip the FP8 rounding. JAX's
+    barrier keeps the two apart; torch (eager, or inductor, which keeps
+    each conversion) needs none, so `x` is returned as it is there.
+    """
+    if keras.backend.backend() == "jax":
+        import jax  # the running backend's package: already imported by Keras
+
+        return jax.lax.optimization_barrier(x)
+    return x

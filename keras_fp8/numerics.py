@@ -29,15 +29,10 @@ Conventions:
 import numpy as np
 from keras import ops
 
-from keras_fp8 import backends
+from keras_fp8 import compat
 from keras_fp8 import recipes
-
-# Fold counts wrap here, so that fold tokens stay exact in float32.
-FOLD_COUNT_PERIOD = 2.0**20
-# The smallest scale (before the margin): the smallest normal float32. Its
-# reciprocal, 2**126, is finite; and no intermediate is subnormal, which
-# XLA's CPU backend would flush to zero.
-MIN_SCALE = 2.0**-126
+from keras_fp8.recipes import FOLD_COUNT_PERIOD
+from keras_fp8.recipes import MIN_SCALE
 
 
 def _float32_constant(value):
@@ -80,7 +75,7 @@ def widen(q):
     Every widening of a quantized tensor goes through here: within one
     compiled function a compiler may fold the conversion to FP8 and this
     one into a single conversion, which would skip the FP8 rounding
-    (`keras_fp8.backends.keep_rounding`).
+    (`keras_fp8.compat.optimization_barrier` keeps them apart).
 
     Args:
         q: A `float8_e4m3fn` or `float8_e5m2` tensor.
@@ -88,7 +83,7 @@ def widen(q):
     Returns:
         A float32 tensor shaped like `q`.
     """
-    return ops.cast(backends.keep_rounding(q), "float32")
+    return ops.cast(compat.optimization_barrier(q), "float32")
 
 
 def dequantize(q, scale, dtype="float32"):

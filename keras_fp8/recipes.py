@@ -32,6 +32,12 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 MAX_MARGIN = 8.0
 # The longest amax history (2**20 entries: 4 MB per operand).
 MAX_HISTORY_LEN = 2**20
+# The smallest scale (before the margin): the smallest normal float32. Its
+# reciprocal, 2**126, is finite; and no intermediate is subnormal, which
+# XLA's CPU backend would flush to zero.
+MIN_SCALE = 2.0**-126
+# Fold counts wrap here, so that fold tokens stay exact in float32.
+FOLD_COUNT_PERIOD = 2.0**20
 
 
 def _check_fp8_format(fp8_format):
