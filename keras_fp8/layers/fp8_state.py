@@ -313,11 +313,15 @@ class FP8StateMixin:
     _gemm_observer = None
 
     def observe_gemms(self, observer):
-        """Installs `observer(layer, x, y) -> y`, called with each FP8 GEMM's
-        `(M, K)` input `x` and `(M, N)` output `y` (what it returns stands
-        for the output), or removes it (None). `keras_fp8.monitor`'s probe
-        installs one on the layers it watches while it runs; without one a
-        call reads one attribute.
+        """Installs or removes the layer's GEMM observer.
+
+        `keras_fp8.monitor`'s probe installs one on the layers it watches
+        while it runs; without one an FP8 call reads one attribute.
+
+        Args:
+            observer: `observer(layer, x, y) -> y`, called with each FP8
+                GEMM's `(M, K)` input `x` and `(M, N)` output `y` (what it
+                returns stands for the output); None removes the observer.
 
         Raises:
             RuntimeError: when the layer has an observer already (a probe
