@@ -9,8 +9,9 @@ fp8_hybrid with min_gemm_size=0, the digits data set, batch 64. Measures
   transfer to the host), with and without a probe batch;
 - an unmonitored step's extra work: the callback's `on_train_batch_end`
   when it does not measure;
-- what the layers pay without any monitor: the capture check
-  (`keras_fp8.probe.active()`), once per eager FP8 call;
+- what the layers pay without any monitor: the observer check (the
+  layer's GEMM observer read, None outside a probe), once per eager FP8
+  call;
 
 each as the minimum and the median over repeats (the minimum is the run the
 other processes disturbed least), and derives the overhead at
@@ -28,7 +29,7 @@ import keras
 
 import keras_fp8
 from keras_fp8 import demo
-from keras_fp8 import probe
+from keras_fp8 import inspection
 
 
 def timed(fn, repeats):
@@ -74,7 +75,8 @@ def main():
     idle.step = 1
     calls = 100_000
     unmonitored = min(timeit.repeat(lambda: idle.on_train_batch_end(0, {}), number=calls, repeat=5)) / calls
-    check = min(timeit.repeat(probe.active, number=calls, repeat=5)) / calls
+    layer = inspection.fp8_layers(model)[0]
+    check = min(timeit.repeat(lambda: layer._gemm_observer, number=calls, repeat=5)) / calls
 
     ms = 1e3
     print(f"{keras.backend.backend()} backend, {args.repeats} repeats, min / median")
@@ -82,7 +84,7 @@ def main():
     print(f"FP8Monitor.measure, probe batch:    {measure_probe[0] * ms:7.2f} / {measure_probe[1] * ms:7.2f} ms")
     print(f"FP8Monitor.measure, no probe batch: {measure_state[0] * ms:7.2f} / {measure_state[1] * ms:7.2f} ms")
     print(f"unmonitored step's callback:        {unmonitored * 1e6:7.3f} us")
-    print(f"capture check per FP8 call:         {check * 1e9:7.1f} ns")
+    print(f"observer check per FP8 call:        {check * 1e9:7.1f} ns")
     for n in (10, 50, 200):
         print(f"every_n_steps={n:<4d} overhead with a probe batch: "
               f"{100 * measure_probe[0] / (n * step[0]):5.1f}% (min), "

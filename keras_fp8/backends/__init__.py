@@ -13,11 +13,6 @@ Each backend module provides:
         `keras_fp8.numerics`'.
     default_min_gemm_size(x) -> int
         The `min_gemm_size` a layer without one of its own uses for `x`.
-    probe_function(loss_fn), compile_function(fn), tensor_stats_function()
-        What `keras_fp8.callbacks.FP8Monitor` runs: the probe's autodiff,
-        how its statistics table runs (JAX: one compiled program; torch:
-        eagerly, without autograd) and how that table computes one tensor's
-        `numerics.quantization_stats` (torch: compiled on a GPU).
 
 and may provide `prepare_device(tensor)` (settle, in eager code, where FP8
 matmuls on `tensor`'s device run), `mark_amax_channel(variable)` (tell the

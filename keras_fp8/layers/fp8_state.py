@@ -33,7 +33,6 @@ from keras.saving import serialize_keras_object
 from keras_fp8 import backends
 from keras_fp8 import compat
 from keras_fp8 import policy as policy_lib
-from keras_fp8 import probe
 from keras_fp8 import recipes
 from keras_fp8.autocast import current as current_autocast
 
@@ -125,8 +124,8 @@ class FP8StateMixin:
 
     def __call__(self, *args, **kwargs):
         fast = getattr(backends.get(), "fast_layer_call", None)
-        # A probe (keras_fp8.probe) captures in `_fp8_matmul`: no fast call.
-        if fast is not None and probe.active() is None:
+        # An observer (`observe_gemms`) sees `_fp8_matmul`'s GEMMs: no fast call.
+        if fast is not None and self._gemm_observer is None:
             outputs = fast(self, args, kwargs)
             if outputs is not None:
                 return outputs
@@ -307,8 +306,36 @@ class FP8StateMixin:
             `(M, N)` tensor in `x`'s dtype.
         """
         y = backends.get().fp8_matmul(self, x, kernel, bias, recipe, bool(training))
-        capture = probe.active()
-        return y if capture is None else capture.record(self, x, y)
+        observer = self._gemm_observer
+        return y if observer is None else observer(self, x, y)
+
+    # Set by `observe_gemms` on the instance; None: no observer.
+    _gemm_observer = None
+
+    def observe_gemms(self, observer):
+        """Installs or removes the layer's GEMM observer.
+
+        `keras_fp8.monitor`'s probe installs one on the layers it watches
+        while it runs; without one an FP8 call reads one attribute.
+
+        Args:
+            observer: `observer(layer, x, y) -> y`, called with each FP8
+                GEMM's `(M, K)` input `x` and `(M, N)` output `y` (what it
+                returns stands for the output); None removes the observer.
+
+        Raises:
+            RuntimeError: when the layer has an observer already (a probe
+                is running).
+        """
+        if observer is None:
+            self.__dict__.pop("_gemm_observer", None)
+            return
+        if self._gemm_observer is not None:
+            raise RuntimeError(
+                f"Layer '{self.path or self.name}' has a GEMM observer already: a probe "
+                "(keras_fp8.monitor) is running on it.")
+        # Into the instance dict: Keras's attribute tracking is not needed.
+        self.__dict__["_gemm_observer"] = observer
 
     def _fp8_call_recipe(self, inputs):
         """The recipe of this call (None: run as the base layer).

@@ -1,4 +1,5 @@
-"""FP8Monitor, the probe, numerics.quantization_stats and keras_fp8.summary."""
+"""FP8Monitor (keras_fp8.monitor), the probe, numerics.quantization_stats and
+keras_fp8.summary."""
 
 import csv
 import math
@@ -9,16 +10,20 @@ import numpy as np
 import pytest
 
 import keras_fp8
+from keras_fp8 import backends
+from keras_fp8 import inspection
 from keras_fp8 import numerics
-from keras_fp8 import probe
+from keras_fp8.monitor import probe
+from keras_fp8.monitor import statistics
 from tests.support import numpy_reference as reference
 from tests.support.backend_utils import real_fp8_gemm
 from tests.support.backend_utils import to_numpy
 
 # The monitor's logic is the same on every backend; what differs (the
 # probe's autodiff, the compiled statistics: `probe_function`,
-# `compile_function` in keras_fp8/backends/) runs under JAX in the tests not
-# marked with this (each JAX test compiles a probe and a training step).
+# `compile_function` in keras_fp8/monitor/<backend>_statistics.py) runs under
+# JAX in the tests not marked with this (each JAX test compiles a probe and a
+# training step).
 torch_only = pytest.mark.skipif(
     keras.backend.backend() != "torch",
     reason="backend-agnostic monitor logic, tested once (under torch)")
@@ -84,7 +89,7 @@ def _model(policy="fp8_hybrid", min_gemm_size=0):
 def test_monitor_records_logs_and_csv(tmp_path):
     x, y = _data()
     model = _model()
-    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=(x[:32], y[:32]))
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=(x[:32], y[:32]), logs="all")
     csv_path = str(tmp_path / "log.csv")
     history = model.fit(x, y, batch_size=32, epochs=2, verbose=0,
                         callbacks=[monitor, keras.callbacks.CSVLogger(csv_path)])
@@ -94,12 +99,16 @@ def test_monitor_records_logs_and_csv(tmp_path):
     assert monitor.layer_names == ["up", "mix", "head"]
     key = "fp8/head/grad/sqnr_db"
     assert len(history.history[key]) == 2 and np.isfinite(history.history[key]).all()
+    # `logs="all"`: the summary values and every layer's.
+    keys = [k for k in history.history if k.startswith("fp8/")]
+    assert len(keys) == 4 + 3 * 3 * len(statistics.STATS)
+    assert "fp8/sqnr_db_min" in keys and "fp8/nonfinite_layers" in keys and "fp8/mix/grad/nonfinite" in keys
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and float(rows[-1]["fp8/mix/input/saturation"]) >= 0
     for r in monitor.records:
         assert all(np.isfinite(r[k]) for k in ("amax", "scale", "saturation", "underflow")), r
-        assert r["sqnr_db"] > 15, r
+        assert r["sqnr_db"] > 15 and r["nonfinite"] == 0, r
     steps, values = monitor.series("up", "kernel", "amax")
     assert steps.tolist() == [1, 3, 5] and (values > 0).all()
     assert "FP8 health at step 5 (3 layers)" in monitor.health_summary()
@@ -113,7 +122,7 @@ def test_probe_changes_no_variable_and_captures_the_output_gradient():
     loss, calls = probe.run(model, x[:32], y[:32])
     assert [layer.name for layer, _, _ in calls] == ["up", "mix", "head"]
     assert all(np.array_equal(a, to_numpy(v)) for a, v in zip(before, model.variables))
-    assert probe.active() is None
+    assert not any("_gemm_observer" in layer.__dict__ for layer in inspection.fp8_layers(model))
     # The head's output gradient of a mean cross-entropy: (softmax - onehot) / B.
     logits = to_numpy(model(x[:32], training=False))
     p = np.exp(logits - logits.max(1, keepdims=True))
@@ -134,7 +143,7 @@ def test_monitor_statistics_record_no_autograd_graph():
     monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=1, probe=(x[:32], y[:32]))
     model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
     layers = [layer for layer in model.layers if hasattr(layer, "active_recipe")]
-    states = [keras_fp8.callbacks._state(layer) for layer in layers]
+    states = [statistics.layer_state(layer) for layer in layers]
     assert all(state["kernel"].requires_grad for state in states)
     table = monitor._table(states, [None] * len(layers), [None] * len(layers))
     assert not table.requires_grad and table.grad_fn is None
@@ -154,15 +163,24 @@ def test_monitor_without_probe_reports_state_and_kernel():
     assert "amax and scales only" not in monitor.health_summary()  # kernel stats exist
 
 
-@torch_only
-def test_monitor_summary_logs():
+def test_monitor_logs_the_summary_by_default():
+    # A progress bar shows every log value: by default four, not every
+    # layer's statistics; `logs="all"` adds those.
     x, y = _data()
     model = _model()
-    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=(x[:32], y[:32]), logs="summary")
-    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
-    keys = sorted(k for k in history.history if k.startswith("fp8/"))
-    assert keys == ["fp8/saturation_max", "fp8/sqnr_db_min", "fp8/underflow_max"]
-    assert history.history["fp8/sqnr_db_min"][0] == min(r["sqnr_db"] for r in monitor.records if r["step"] == 3)
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=(x[:32], y[:32]))
+    assert monitor.logs == "summary"
+    batch_logs = []
+    recorder = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batch_logs.append(dict(logs)))
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor, recorder])
+    summary = ["fp8/nonfinite_layers", "fp8/saturation_max", "fp8/sqnr_db_min", "fp8/underflow_max"]
+    assert sorted(k for k in history.history if k.startswith("fp8/")) == summary
+    assert sorted(k for k in batch_logs[0] if k.startswith("fp8/")) == summary
+    assert not any(k.startswith("fp8/") for k in batch_logs[1])  # step 2 is not monitored
+    latest = [r for r in monitor.records if r["step"] == 3]
+    assert history.history["fp8/sqnr_db_min"][0] == min(r["sqnr_db"] for r in latest)
+    assert history.history["fp8/saturation_max"][0] == max(r["saturation"] for r in latest)
+    assert history.history["fp8/nonfinite_layers"][0] == 0
     with pytest.raises(ValueError, match="logs"):
         keras_fp8.callbacks.FP8Monitor(logs="some")
 
@@ -195,6 +213,156 @@ def test_monitor_bad_arguments():
     monitor = keras_fp8.callbacks.FP8Monitor(layers=["nope"])
     with pytest.raises(ValueError, match="no FP8 layer named"):
         monitor.measure(model)
+
+
+def _observers(model):
+    return [layer.name for layer in inspection.fp8_layers(model) if "_gemm_observer" in layer.__dict__]
+
+
+def test_monitor_lives_in_its_own_package():
+    # The backends know nothing of the monitor; the layers' one hook for it
+    # is `observe_gemms`; the old public names still reach it.
+    import keras_fp8.probe
+    from keras_fp8.layers import fp8_state
+
+    for name in ("probe_function", "compile_function", "tensor_stats_function"):
+        assert not hasattr(backends.get(), name), name
+        assert hasattr(statistics.backend_functions(), name), name
+    assert not hasattr(fp8_state, "probe")
+    assert keras_fp8.callbacks.FP8Monitor is keras_fp8.monitor.FP8Monitor
+    assert keras_fp8.probe.Probe is keras_fp8.monitor.Probe and keras_fp8.probe.run is probe.run
+
+
+def test_probe_observes_the_watched_layers_while_it_runs():
+    x, y = _data()
+    model = _model()
+    up = model.get_layer("up")
+    seen = []
+    with probe.capturing([up], lambda key, out: seen.append(key) or out):
+        assert _observers(model) == ["up"]
+        with pytest.raises(RuntimeError, match="'up' has a GEMM observer already"):
+            up.observe_gemms(lambda layer, a, b: b)
+        model(x[:8], training=False)
+    assert seen == [0] and _observers(model) == []
+    _, calls = probe.Probe(model, layers=[up])(x[:32], y[:32])
+    assert [layer.name for layer, _, _ in calls] == ["up"] and calls[0][2] is not None
+    assert _observers(model) == []
+
+
+def _nan_batch_fit(monitor, logs=None):
+    x, y = _data()
+    x[40, 3] = np.nan  # in the second batch
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
+    return history, [str(w.message) for w in caught if "FP8Monitor" in str(w.message)]
+
+
+def test_monitor_counts_names_and_warns_about_non_finite_values():
+    # A NaN in one batch turns the loss, the gradients and (through the
+    # optimizer) the kernels NaN: the monitor must not call the model healthy.
+    x, y = _data()
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=1, probe=(x[:32], y[:32]))
+    history, messages = _nan_batch_fit(monitor)
+    assert not np.isfinite(history.history["loss"][0])
+    first = [r for r in monitor.records if r["step"] == 1]
+    assert all(r["nonfinite"] == 0 for r in first)  # before the NaN batch
+    last = {(r["layer"], r["role"]): r for r in monitor.records if r["step"] == 3}
+    for name in ("up", "mix", "head"):
+        assert last[(name, "kernel")]["nonfinite"] > 0 and not np.isfinite(last[(name, "kernel")]["amax"])
+    assert last[("head", "input")]["nonfinite"] == 32 * 32
+    summary = monitor.health_summary()
+    assert "NON-FINITE values in 3 layer(s): up (kernel: " in summary, summary
+    assert "mix (" in summary and "head (input: 1024 non-finite elements" in summary, summary
+    nonfinite = [m for m in messages if "non-finite values" in m]
+    assert len(nonfinite) == 1 and "at step 2" in nonfinite[0] and "'up' (" in nonfinite[0], messages
+    assert history.history["fp8/nonfinite_layers"] == [3.0]
+
+
+@torch_only
+def test_monitor_names_a_non_finite_scale_or_kernel_without_a_probe():
+    x, y = _data()
+    model = _model()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    model.get_layer("up").input_scale.assign(float("nan"))
+    kernel = to_numpy(model.get_layer("head").kernel).copy()
+    kernel[0, 0] = np.inf
+    model.get_layer("head").kernel.assign(kernel)
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=1)
+    with pytest.warns(UserWarning, match="non-finite values at step 0 in 2 layer"):
+        monitor.measure(model)
+    summary = monitor.health_summary()
+    assert "up (input scale nan)" in summary and "head (kernel: 1 non-finite elements, kernel amax inf)" in summary
+    assert math.isnan(monitor.latest["fp8/up/input/nonfinite"])  # no probe: the input is not measured
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.measure(model)
+    assert not [w for w in caught if "non-finite" in str(w.message)]  # warned once
+    assert sum("non-finite" in m for m in monitor.warnings) == 1
+
+
+def _labels_free_model():
+    """A model whose loss needs no labels (a custom `compute_loss`)."""
+
+    class Reconstruction(keras.Model):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean(keras.ops.square(keras.ops.cast(y_pred, "float32") - x))
+
+    keras.mixed_precision.set_global_policy("fp8_hybrid")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    h = keras_fp8.layers.FP8Dense(32, activation="relu", name="up", min_gemm_size=0)(inputs)
+    model = Reconstruction(inputs, keras_fp8.layers.FP8Dense(16, name="head", min_gemm_size=0)(h))
+    model.compile(optimizer="adam")
+    return model
+
+
+def test_monitor_probe_of_x_alone():
+    x, y = _data()
+    for form in (x[:32], (x[:32],)):
+        assert [type(part) for part in probe.check_batch(form)] == [np.ndarray, type(None), type(None)]
+    # A loss without labels: the whole probe, gradients included.
+    model = _labels_free_model()
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=x[:32])
+    model.fit(x, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    last = {(r["layer"], r["role"]): r for r in monitor.records if r["step"] == 3}
+    assert np.isfinite(last[("up", "input")]["sqnr_db"]) and np.isfinite(last[("head", "grad")]["sqnr_db"])
+    assert not monitor.warnings
+    # A compiled loss needs labels: the inputs are measured, the gradient rows
+    # hold the state, and one warning says so.
+    model = _model()
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=(x[:32],))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    last = {(r["layer"], r["role"]): r for r in monitor.records if r["step"] == 3}
+    assert np.isfinite(last[("mix", "input")]["sqnr_db"]) and math.isnan(last[("head", "grad")]["sqnr_db"])
+    assert last[("head", "grad")]["amax"] > 0
+    assert sum("`probe` has no labels" in str(w.message) for w in caught) == 1
+    assert _observers(model) == []
+
+
+def test_monitor_refuses_a_bad_probe_naming_it():
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"Invalid `probe`. Expected a batch of at least one example. "
+                                         r"Received: x of shape \(0, 16\)"):
+        keras_fp8.callbacks.FP8Monitor(probe=(x[:0], y[:0]))
+    with pytest.raises(ValueError, match=r"Invalid `probe`. Expected x, y and sample_weight with the same number "
+                                         r"of examples .* x of shape \(32, 16\), y of shape \(16,\)"):
+        keras_fp8.callbacks.FP8Monitor(probe=(x[:32], y[:16]))
+    with pytest.raises(ValueError, match="Invalid `probe`.* x=None"):
+        keras_fp8.callbacks.FP8Monitor(probe=(None, y[:32]))
+    with pytest.raises(ValueError, match="Invalid `probe`.* a batch dimension"):
+        keras_fp8.callbacks.FP8Monitor(probe=(1.0, 2.0))
+    # Labels the loss cannot take (one class too few): named at first use.
+    model = _model()
+    monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=1, probe=(x[:32], np.eye(3, dtype="float32")[y[:32] % 3]))
+    model.compile(optimizer="adam", loss=keras.losses.CategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"Invalid `probe`: the model's loss failed on it.*y \(32, 3\).*"
+                                         r"the model's output \(32, 4\)"):
+        model.fit(x, np.eye(4, dtype="float32")[y], batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    assert _observers(model) == []
 
 
 @torch_only
@@ -279,26 +447,26 @@ def _stats_cases(device):
 
 @torch_only
 def test_monitor_compiled_statistics_match_eager():
-    # The torch backend compiles the statistics of large GPU tensors; the
+    # On torch the monitor compiles the statistics of large GPU tensors; the
     # compiled function is checked here on this machine's device (the CPU in CI).
     import torch
 
-    from keras_fp8.backends import torch as torch_backend
+    from keras_fp8.monitor import torch_statistics
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    run = torch_backend._compiled_tensor_stats
+    run = torch_statistics._compiled_tensor_stats
     kernel = torch.nn.Parameter(torch.randn(48, 80, device=device))
     with torch.no_grad():
         cases = list(_stats_cases(device)) + [(kernel, torch.tensor(0.01, device=device), "e4m3")]
         for x, scale, fmt in cases:
-            want = numerics.quantization_stats(x, scale, fmt)
+            want = statistics.tensor_stats(x, scale, fmt)
             got = run(x, scale, fmt)
-            for key in ("amax", "scale", "saturation", "underflow", "sqnr_db"):
+            for key in statistics.STATS:
                 # float32 sums in another order; a dB value's error is absolute.
                 np.testing.assert_allclose(
                     float(got[key]), float(want[key]), rtol=1e-5, atol=1e-4 if key == "sqnr_db" else 0,
                     err_msg=f"{key}: {tuple(x.shape)} {x.dtype} {fmt} scale {float(scale):g}")
-    assert torch_backend._stats_compile_failure is None
+    assert torch_statistics._stats_compile_failure is None
 
 
 @torch_only
@@ -309,16 +477,16 @@ def test_monitor_compiled_statistics_bypass_the_fx_graph_cache(monkeypatch):
     import torch
     from torch._dynamo.utils import counters
 
-    from keras_fp8.backends import torch as torch_backend
+    from keras_fp8.monitor import torch_statistics
 
-    monkeypatch.setattr(torch_backend, "_compiled_stats", None)
-    monkeypatch.setattr(torch_backend, "_stats_compile_failure", None)
+    monkeypatch.setattr(torch_statistics, "_compiled_stats", None)
+    monkeypatch.setattr(torch_statistics, "_stats_compile_failure", None)
     torch._dynamo.reset()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inductor, aot = dict(counters["inductor"]), dict(counters["aot_autograd"])
     x = torch.tensor(np.random.default_rng(7).standard_normal((40, 56)).astype(np.float32), device=device)
-    torch_backend._compiled_tensor_stats(x, torch.tensor(0.01, device=device), "e5m2")
-    assert torch_backend._stats_compile_failure is None
+    torch_statistics._compiled_tensor_stats(x, torch.tensor(0.01, device=device), "e5m2")
+    assert torch_statistics._stats_compile_failure is None
     for key in ("fxgraph_cache_hit", "fxgraph_cache_miss"):
         assert counters["inductor"][key] == inductor.get(key, 0), key
     assert counters["aot_autograd"]["autograd_cache_bypass"] > aot.get("autograd_cache_bypass", 0)
@@ -329,16 +497,16 @@ def test_monitor_compiles_with_correctly_rounded_division():
     # Triton's float32 division is approximate; the statistics' reciprocal
     # must round as eager's does (an element at the format's edge otherwise
     # flips its saturation on a GPU).
-    from keras_fp8.backends import torch as torch_backend
+    from keras_fp8.monitor import torch_statistics
 
-    assert torch_backend._eager_division(), "this torch has no inductor option for correctly rounded division"
+    assert torch_statistics._eager_division(), "this torch has no inductor option for correctly rounded division"
 
 
 @torch_only
 def test_monitor_compile_failure_warns_once_and_runs_eagerly(monkeypatch):
     import torch
 
-    from keras_fp8.backends import torch as torch_backend
+    from keras_fp8.monitor import torch_statistics
 
     calls = []
 
@@ -346,16 +514,16 @@ def test_monitor_compile_failure_warns_once_and_runs_eagerly(monkeypatch):
         calls.append(args)
         raise RuntimeError("no compiler here\nsecond line")
 
-    monkeypatch.setattr(torch_backend, "_compiled_stats", broken)
-    monkeypatch.setattr(torch_backend, "_stats_compile_failure", None)
+    monkeypatch.setattr(torch_statistics, "_compiled_stats", broken)
+    monkeypatch.setattr(torch_statistics, "_stats_compile_failure", None)
     x = torch.tensor(np.random.default_rng(3).standard_normal((40, 24)).astype(np.float32))
     scale = torch.tensor(0.01)
-    want = numerics.quantization_stats(x, scale, "e4m3")
+    want = statistics.tensor_stats(x, scale, "e4m3")
     with pytest.warns(UserWarning, match="torch.compile of the statistics failed.*RuntimeError: no compiler here$"):
-        got = torch_backend._compiled_tensor_stats(x, scale, "e4m3")
+        got = torch_statistics._compiled_tensor_stats(x, scale, "e4m3")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again = torch_backend._compiled_tensor_stats(x, scale, "e4m3")
+        again = torch_statistics._compiled_tensor_stats(x, scale, "e4m3")
     assert len(calls) == 1
     for key in want:
         assert float(got[key]) == float(want[key]) == float(again[key])
@@ -368,15 +536,15 @@ def test_monitor_table_compiles_in_its_first_run_only(monkeypatch):
     import torch
     from torch._dynamo.utils import counters
 
-    from keras_fp8.backends import torch as torch_backend
+    from keras_fp8.monitor import torch_statistics
 
-    monkeypatch.setattr(torch_backend, "_tensor_stats", torch_backend._compiled_tensor_stats)  # any device
-    monkeypatch.setattr(torch_backend, "_compiled_stats", None)
-    monkeypatch.setattr(torch_backend, "_stats_compile_failure", None)
+    monkeypatch.setattr(torch_statistics, "_tensor_stats", torch_statistics._compiled_tensor_stats)  # any device
+    monkeypatch.setattr(torch_statistics, "_compiled_stats", None)
+    monkeypatch.setattr(torch_statistics, "_stats_compile_failure", None)
     torch._dynamo.reset()
-    stats = torch_backend.tensor_stats_function()
+    stats = torch_statistics.tensor_stats_function()
     scale = torch.tensor(0.01)
-    table = torch_backend.compile_function(lambda x, fmt: stats(x, scale, fmt))
+    table = torch_statistics.compile_function(lambda x, fmt: stats(x, scale, fmt))
     x = torch.tensor(np.random.default_rng(5).standard_normal((48, 40)).astype(np.float32))
     graphs = counters["stats"]["unique_graphs"]
     table(x, "e4m3")
@@ -384,7 +552,7 @@ def test_monitor_table_compiles_in_its_first_run_only(monkeypatch):
     graphs = counters["stats"]["unique_graphs"]
     got = table(x, "e5m2")  # another format would compile again
     assert counters["stats"]["unique_graphs"] == graphs
-    want = numerics.quantization_stats(x, scale, "e5m2")
+    want = statistics.tensor_stats(x, scale, "e5m2")
     for key in want:
         assert float(got[key]) == float(want[key]), key
     table(x, "e4m3")  # the first run's code still serves
@@ -396,13 +564,13 @@ def test_monitor_table_compiles_in_its_first_run_only(monkeypatch):
 def test_monitor_compiles_the_statistics_of_large_gpu_tensors_only(monkeypatch):
     import torch
 
-    from keras_fp8.backends import torch as torch_backend
+    from keras_fp8.monitor import torch_statistics
 
     compiled = []
-    monkeypatch.setattr(torch_backend, "_compiled_tensor_stats", lambda x, scale, fmt: compiled.append(x.shape))
-    stats = torch_backend.tensor_stats_function()
+    monkeypatch.setattr(torch_statistics, "_compiled_tensor_stats", lambda x, scale, fmt: compiled.append(x.shape))
+    stats = torch_statistics.tensor_stats_function()
     scale = torch.tensor(0.01, device="cuda")
-    large = 1 + torch_backend.STATS_COMPILE_MIN_ELEMENTS // 4096
+    large = 1 + torch_statistics.STATS_COMPILE_MIN_ELEMENTS // 4096
     for shape in ((64, 48), (large, 4096)):
         stats(torch.randn(shape, device="cuda", dtype=torch.bfloat16), scale, "e4m3")
     stats(torch.randn(large, 4096, dtype=torch.bfloat16), scale.cpu(), "e4m3")
