@@ -68,6 +68,7 @@ from keras_fp8 import backends as _backends
 from keras_fp8 import callbacks
 from keras_fp8 import compat as _compat
 from keras_fp8 import layers
+from keras_fp8 import monitor
 from keras_fp8 import numerics
 from keras_fp8 import optimizers
 from keras_fp8 import policy as _policy_module
@@ -108,6 +109,7 @@ __all__ = [
     "callbacks",
     "convert",
     "layers",
+    "monitor",
     "numerics",
     "optimizers",
     "recipes",
