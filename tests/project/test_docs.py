@@ -6,7 +6,10 @@ them, in a temporary directory. An HTML comment right before a block (blank
 lines between are fine) changes that: `<!-- snippet-test: skip REASON -->`
 does not run it (the reason is required), `<!-- snippet-test: gpu -->` runs
 it only where FP8 layers run real FP8 GEMMs, `<!-- snippet-test: fresh -->`
-starts a new namespace, and
+starts a new namespace, `<!-- snippet-test: isolated -->` runs a complete
+program, as if in a process of its own (a new namespace and the global dtype
+policy restored afterwards; the blocks after it go on where the one before
+it left off), and
 
     <!-- snippet-test: setup
     x = ...
@@ -49,7 +52,7 @@ def doc_pages():
 
 def python_blocks(path):
     """`[(line, code, directives)]` for every ```python block of a page;
-    `directives` maps `skip`/`gpu`/`fresh`/`setup` to its text."""
+    `directives` maps `skip`/`gpu`/`fresh`/`isolated`/`setup` to its text."""
     lines = open(path, encoding="utf-8").read().split("\n")
     blocks, pending, i = [], {}, 0
     while i < len(lines):
@@ -62,7 +65,7 @@ def python_blocks(path):
             if match is None:
                 raise ValueError(f"{path}:{i + 1}: a malformed snippet-test comment")
             kind, text = match.group(1), match.group(2)
-            if kind not in ("skip", "gpu", "fresh", "setup"):
+            if kind not in ("skip", "gpu", "fresh", "isolated", "setup"):
                 raise ValueError(f"{path}:{i + 1}: unknown snippet-test directive {kind!r}")
             if kind == "skip" and not text.strip():
                 raise ValueError(f"{path}:{i + 1}: 'skip' needs a reason")
@@ -105,12 +108,18 @@ def test_doc_snippets_run(page, tmp_path, monkeypatch, capsys):
             continue
         if "fresh" in directives:
             namespace = {"__name__": "__snippet__"}
+        isolated = "isolated" in directives
+        scope = {"__name__": "__snippet__"} if isolated else namespace
+        policy = keras.config.dtype_policy()
         try:
             if "setup" in directives:
-                exec(compile(directives["setup"], f"{name}:{line} (setup)", "exec"), namespace)
-            exec(compile(code, f"{name}:{line}", "exec"), namespace)
+                exec(compile(directives["setup"], f"{name}:{line} (setup)", "exec"), scope)
+            exec(compile(code, f"{name}:{line}", "exec"), scope)
         except Exception:
             pytest.fail(f"the block at {name}:{line} failed:\n{traceback.format_exc()}", pytrace=False)
+        finally:
+            if isolated:
+                keras.config.set_dtype_policy(policy)
         ran += 1
     with capsys.disabled():
         for reason in skipped:
