@@ -6,16 +6,44 @@ their outputs, to a folder (the committed notebooks are such runs).
 NAME: a notebook's file name without `.ipynb` (default: every notebook).
 Each runs in a fresh kernel (nbclient) with `colab/` as its working
 directory; a notebook that fails is written up to the failing cell and the
-exit status is 1.
+exit status is 1. Paths of the machine that ran them (a warning's
+`/.../keras_fp8/callbacks.py:218`) are written relative to the package.
 """
 
 import argparse
 import glob
 import os
+import re
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The folders of an absolute path in front of one of the project's packages
+# or of an installed package: where the checkout or the environment sits
+# says nothing about the project, and names the machine that ran it.
+_MACHINE_PATH = re.compile(
+    r"(?:[A-Za-z]:)?[/\\](?:[^\s'\"():,]+[/\\])*?"
+    r"(?:(?:site|dist)-packages[/\\]|(?=(?:keras_fp8|torch_ops|benchmarks|tests)[/\\]))")
+
+
+def scrub_machine_paths(text):
+    """`text` with the machine's folders dropped from its paths
+    (`/work/venv/lib/python3.12/site-packages/keras/...` -> `keras/...`)."""
+    return _MACHINE_PATH.sub("", text)
+
+
+def scrub_notebook(nb):
+    """Scrubs the machine's paths from `nb`'s text outputs, in place."""
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if "text" in output:
+                output["text"] = scrub_machine_paths(output["text"])
+            if "traceback" in output:
+                output["traceback"] = [scrub_machine_paths(line) for line in output["traceback"]]
+            for key, value in output.get("data", {}).items():
+                if key.startswith("text/") and isinstance(value, str):
+                    output["data"][key] = scrub_machine_paths(value)
 
 
 def main(argv=None):
@@ -49,6 +77,7 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001 (the notebook is written up to the failing cell)
             status = f"failed: {type(e).__name__}: {str(e)[-2000:]}"
             failed += 1
+        scrub_notebook(nb)
         nbformat.write(nb, os.path.join(args.out_dir, name + ".ipynb"))
         print(f"{name}: {status} in {time.time() - start:.0f} s", flush=True)
     return 1 if failed else 0

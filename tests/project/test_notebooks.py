@@ -7,7 +7,9 @@ Keras backend themselves, so they run once, under the torch run of the
 README's test command.
 """
 
+import copy
 import glob
+import importlib.util
 import os
 
 import keras
@@ -31,6 +33,13 @@ def _name(path):
     return os.path.splitext(os.path.basename(path))[0]
 
 
+def _run_notebooks_tool():
+    spec = importlib.util.spec_from_file_location("run_notebooks", os.path.join(REPO, "tools", "run_notebooks.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _images(nb):
     return sum("image/png" in output.get("data", {})
                for cell in nb.cells if cell.cell_type == "code" for output in cell.get("outputs", []))
@@ -49,6 +58,25 @@ def test_notebook_is_committed_with_outputs(path):
     errors = [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
     assert _images(nb) >= 1, "the committed notebook shows its plots"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_name)
+def test_committed_outputs_name_no_machine_path(path):
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(path, as_version=4)
+    scrubbed = copy.deepcopy(nb)
+    _run_notebooks_tool().scrub_notebook(scrubbed)
+    changed = [i for i, (a, b) in enumerate(zip(nb.cells, scrubbed.cells)) if a != b]
+    assert not changed, f"cells {changed} name folders of the machine that ran them (tools/run_notebooks.py scrubs them)"
+
+
+def test_scrub_machine_paths():
+    scrub = _run_notebooks_tool().scrub_machine_paths
+    assert scrub("/work/main/keras_fp8/callbacks.py:218: UserWarning") == "keras_fp8/callbacks.py:218: UserWarning"
+    assert scrub('File "/opt/venv/lib/python3.12/site-packages/keras/src/a.py", line 3') == 'File "keras/src/a.py", line 3'
+    assert scrub("C:\\Users\\me\\repo\\torch_ops\\linear.py") == "torch_ops\\linear.py"
+    kept = "fp8/ffn_up/grad/amax, 1/2 of the steps, an /etc/hosts path"
+    assert scrub(kept) == kept
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_name)
