@@ -14,8 +14,8 @@ and dkernel) by one route, chosen once per call by `route`:
   `dot_general` multiplies (cuBLASLt underneath; the product written in
   the output dtype, then scaled).
 - `EMULATION`, the exact emulation (`numerics.scaled_matmul`): off an FP8
-  GPU, and for products so small that XLA would multiply them in FP8
-  (`is_small_dot`).
+  GPU, and for a call one of whose products is so small that XLA would
+  multiply it in FP8 (`is_small_dot`).
 
 Block scaling (`recipes.BlockScaling`) is a variant of the XLA route (its
 Pallas kernel or scan of FP8 dots, `jax_block`) and of the emulation
@@ -217,8 +217,9 @@ def _amax(x):
 
 class _Quantized(NamedTuple):
     """A quantized operand: `q`, its transpose `q_t` where the route wrote
-    it (the fused quantize writes both; None elsewhere), its amax and the
-    scale it was quantized with."""
+    it (the fused quantize writes both; None elsewhere, or where the
+    backward does not read it), its amax and the scale it was quantized
+    with."""
 
     q: object
     q_t: object
@@ -245,12 +246,13 @@ def _quantize(route_name, t, scale, history, fmt, recipe, gradient=False):
     return _Quantized(numerics.quantize(t, used, fmt), None, amax, used)
 
 
-def _transposed(op):
-    """`op` as the transpose of its tensor: the layouts swap (the transpose
-    is computed where the route wrote one layout)."""
-    if op.q_t is None:
-        return op._replace(q=ops.transpose(op.q), q_t=op.q)
-    return op._replace(q=op.q_t, q_t=op.q)
+def _transposed(route_name, op):
+    """`op` as the transpose of its tensor: on the `FUSED` route the two
+    layouts the quantize wrote swap (nothing is transposed in the program);
+    elsewhere the transpose is computed."""
+    if route_name == FUSED:
+        return op._replace(q=op.q_t, q_t=op.q)
+    return op._replace(q=ops.transpose(op.q), q_t=None)
 
 
 def _xla_dot(a_q, b_q, scale, out_dtype, bias=None, precision=None):
@@ -335,9 +337,9 @@ def _per_tensor_product_fwd(x, kernel, bias, pending, x_scale, x_history, kernel
                             grad_history, emit_token, route_name, recipe, has_bias):
     outputs, (x_op, kernel_op) = _per_tensor_forward(route_name, x, kernel, bias, x_scale, x_history, kernel_scale,
                                                      kernel_history, recipe, has_bias)
-    # What the backward's GEMMs read: dkernel reads x transposed and dx the
-    # kernel transposed, as the fused quantize wrote them (nothing
-    # transposed in the program); elsewhere the backward transposes.
+    # On the FUSED route the backward's GEMMs read x's transposed layout
+    # (dkernel) and the kernel's own (dx): only those are kept. Elsewhere
+    # the backward transposes the saved operands.
     if route_name == FUSED:
         x_op, kernel_op = x_op._replace(q=None), kernel_op._replace(q_t=None)
     saved = (x_op._replace(amax=None), kernel_op._replace(amax=None))
@@ -350,8 +352,8 @@ def _per_tensor_product_bwd(route_name, recipe, has_bias, residuals, cotangents)
     (x_op, kernel_op), state, (x_proto, kernel_proto, bias_proto) = residuals
     grad_scale, grad_history, emit_token = state[4:]
     grad_op = _quantize(route_name, grad, grad_scale, grad_history, recipe.backward_format, recipe, gradient=True)
-    dx = _product(route_name, grad_op, _transposed(kernel_op), x_proto.dtype, backward=True)
-    dkernel = _product(route_name, _transposed(x_op), grad_op, kernel_proto.dtype, backward=True)
+    dx = _product(route_name, grad_op, _transposed(route_name, kernel_op), x_proto.dtype, backward=True)
+    dkernel = _product(route_name, _transposed(route_name, x_op), grad_op, kernel_proto.dtype, backward=True)
     dpending = numerics.pending_cotangent(grad_op.amax, emit_token)
     return (dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending) + tuple(jnp.zeros_like(v) for v in state)
 
