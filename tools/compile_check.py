@@ -21,8 +21,21 @@ import sysconfig
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The JAX custom calls' entries (keras_fp8/backends/jax_gemm.py).
-JAX_SOURCES = ["jax_ffi.cpp", "jax_quantize.cu"]
+
+
+def _jax_ffi_build():
+    """keras_fp8/backends/jax_ffi_build.py, loaded by path (standard library
+    only: neither keras_fp8 nor JAX is imported)."""
+    path = ROOT / "keras_fp8" / "backends" / "jax_ffi_build.py"
+    spec = importlib.util.spec_from_file_location("jax_ffi_build", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+JAX_FFI_BUILD = _jax_ffi_build()
+# The JAX custom calls' entries, as the backend builds them.
+JAX_SOURCES = list(JAX_FFI_BUILD.ENTRIES)
 
 
 def main():
@@ -62,15 +75,16 @@ def main():
         return name, r.returncode, r.stderr
 
     def compile_jax_ffi(name):
-        # The JAX custom call's entry: host C++ against JAX's FFI headers
-        # (keras_fp8/backends/jax_gemm.py builds it the same way).
-        # jax_quantize.cu: the quantize kernels with nvcc, for every target.
+        # A JAX custom call's entry: the GEMM's host C++ against JAX's FFI
+        # headers (keras_fp8/backends/jax_ffi_build.py builds it the same
+        # way); the quantize kernels with nvcc, for every target.
         import jax
 
         base = nvcc if name.endswith(".cu") else ["g++", "-O3", "-std=c++17", "-fPIC"]
-        cmd = base + [f"-I{ROOT / 'csrc'}", "-isystem", str(jax.ffi.include_dir()),
+        src = JAX_FFI_BUILD.source_dir()
+        cmd = base + [f"-I{src}", "-isystem", str(jax.ffi.include_dir()),
                f"-I{cuda_home}/include"] + [f"-I{d}" for d in args.include] + [
-               "-c", str(ROOT / "csrc" / name), "-o", str(out_dir / (name + ".o"))]
+               "-c", str(src / name), "-o", str(out_dir / (name + ".o"))]
         r = subprocess.run(cmd, capture_output=True, text=True)
         return name, r.returncode, r.stderr
 

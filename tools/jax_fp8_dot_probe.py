@@ -10,15 +10,14 @@ with given scales (`keras_fp8.numerics`' quantize and scale rules, Keras on
 JAX), then the three products y, dx and dkernel. The ways:
 
 - `bf16`: the three products in bf16 (no FP8);
-- `custom_call`: the backend's GEMM custom call on given scales (the
-  products of its fused path, `_gpu_fp8_matmul` with the custom calls
-  enabled, their default): the cuBLASLt GEMM of `csrc/lt_gemm.h` as an
-  XLA custom call, scales and bias in the epilogue, the forward in fast
-  accumulation, the backward in full;
-- `scale_after`: XLA's own FP8 dot (`_xla_fp8_matmul`, what the backend
-  runs after `jax_gemm.set_enabled(False)` and where the custom call does
-  not apply): FP8 operands straight into `dot_general`, the product in
-  bf16, then `* scale` in float32 and a second rounding;
+- `custom_call`: the GEMM custom call on given scales (`jax_gemm.scaled_matmul`,
+  the products of the backend's `FUSED` route, its default): the cuBLASLt
+  GEMM of `csrc/lt_gemm.h` as an XLA custom call, scales and bias in the
+  epilogue, the forward in fast accumulation, the backward in full;
+- `scale_after`: XLA's own FP8 dot (`_xla_dot`, the products of the
+  backend's `XLA` route: after `jax_gemm.set_enabled(False)` and where the
+  custom calls do not apply): FP8 operands straight into `dot_general`,
+  the product in bf16, then `* scale` in float32 and a second rounding;
 - `dequant_one`: the first operand dequantized to float32 with the product
   of the two scales (`q.astype(f32) * scale`), the second only converted,
   and a `dot_general` with a bf16 result: the dequantize-then-dot pattern
@@ -83,9 +82,6 @@ def main(argv=None):
     from keras_fp8.backends import jax as jax_backend
     from keras_fp8.backends import jax_gemm
 
-    # The custom_call way traces the backend with its custom call on; the
-    # others call XLA's product directly.
-    jax_gemm.set_enabled(True)
 
     f32, bf16 = jnp.float32, jnp.bfloat16
 
@@ -95,10 +91,11 @@ def main(argv=None):
     def scale_after(a_q, b_q, sa, sb, precision=None):
         # The backend's own product (forward at the default precision,
         # backward at HIGHEST: `scale_after_hi`).
-        return jax_backend._xla_fp8_matmul(a_q, b_q, sa * sb, bf16, precision=precision)
+        return jax_backend._xla_dot(a_q, b_q, sa * sb, bf16, precision=precision)
 
     def custom_call(a_q, b_q, sa, sb, precision=None):
-        return jax_backend._gpu_fp8_matmul(a_q, b_q, sa * sb, bf16, precision=precision)
+        # As the FUSED route: fast accumulation forward, full backward.
+        return jax_gemm.scaled_matmul(a_q, b_q, sa * sb, bf16, fast_accum=precision is None)
 
     def dequant_f32(a_q, b_q, sa, sb, precision=None):
         a, b = a_q.astype(f32) * sa, b_q.astype(f32) * sb

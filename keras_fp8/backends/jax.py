@@ -1,17 +1,28 @@
 """FP8 matmuls for the JAX backend.
 
-The state updates are `keras_fp8.numerics`' rules on the layer's variables
-(assignments inside `stateless_call` propagate). On an FP8-capable GPU
-(compute capability >= 8.9) the quantized operands go straight into
-`jax.lax.dot_general`, so XLA emits cuBLASLt FP8 GEMMs for the forward and
-both backward products (the product in the output dtype, scaled in a
-second pass). By default (`jax_gemm.enabled()`) a layer runs torch_ops's
-fused quantize and cuBLASLt FP8 GEMM instead, as XLA custom calls (one
-read of each operand for both layouts and the amax; the scales and the
-bias in the GEMM's epilogue, one rounding), where they apply
-(`_fused_applies`; products they do not take run XLA's dot, or the GEMM
-custom call alone where it applies). Elsewhere the exact emulation
-(`numerics.scaled_matmul`) runs.
+An FP8 layer call runs its three products (the forward; the backward's dx
+and dkernel) by one route, chosen once per call by `route`:
+
+- `FUSED`, the custom calls (`jax_gemm`, on an FP8 GPU where they apply:
+  `_custom_calls_apply`): csrc's fused quantize writes each operand in both
+  layouts the GEMMs read, with its amax and the scale it used, and its
+  cuBLASLt GEMM applies the scales and the bias in its epilogue (one
+  rounding).
+- `XLA`, XLA's own FP8 products (on an FP8 GPU elsewhere: custom calls off
+  by `jax_gemm.set_enabled(False)` or not available, shapes they do not
+  take, a Keras distribution): XLA's fusions quantize and FP8
+  `dot_general` multiplies (cuBLASLt underneath; the product written in
+  the output dtype, then scaled).
+- `EMULATION`, the exact emulation (`numerics.scaled_matmul`): off an FP8
+  GPU, and for a call one of whose products is so small that XLA would
+  multiply it in FP8 (`is_small_dot`).
+
+Block scaling (`recipes.BlockScaling`) is a variant of the XLA route (its
+Pallas kernel or scan of FP8 dots, `jax_block`) and of the emulation
+(`numerics.block_matmul`); no custom call takes per-block scales. On every
+route the scales and the state updates are `keras_fp8.numerics`' rules
+(docs/numerics.md), on the layer's variables (assignments inside
+`stateless_call` propagate).
 
 A variable cannot be assigned inside a JAX backward pass: the output
 gradient's amax leaves through the cotangent of `grad_amax_pending`, which
@@ -20,6 +31,7 @@ the optimizer overwrites, and the next training forward folds it.
 
 import functools
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +43,12 @@ from keras_fp8 import numerics
 from keras_fp8 import recipes
 from keras_fp8.backends import jax_gemm
 
+FUSED = "fused"
+XLA = "xla"
+EMULATION = "emulation"
+
 # Below this M*N*K an FP8 layer on a GPU with real FP8 GEMMs runs what the
-# compute-dtype layer runs (torch_ops's threshold, the same GEMM libraries
-# underneath).
+# compute-dtype layer runs (`default_min_gemm_size`).
 DEFAULT_MIN_GEMM_SIZE = 8192 * 2048 * 2048
 
 
@@ -63,10 +78,22 @@ def prepare_device(tensor):
 
 
 def default_min_gemm_size(x):
-    """See `keras_fp8.backends`: FP8 at every size under the emulation."""
+    """See `keras_fp8.backends`: `DEFAULT_MIN_GEMM_SIZE` where real FP8
+    GEMMs run (an FP8 GPU), 0 under the exact emulation, which reproduces
+    the FP8 numerics at every size.
+
+    The default route on an FP8 GPU runs torch_ops's cuBLASLt GEMM and
+    quantize kernels, so the threshold is torch_ops's
+    (`torch_ops.DEFAULT_MIN_GEMM_SIZE`, 8192 x 2048 x 2048): an `FP8Dense`
+    under JAX trails `Dense` at 4096 x 1024 x 1024 and 1024 x 2048 x 1024,
+    both below it, and leads it at 16384 x 4096 x 14336
+    (docs/benchmarks.md). To be confirmed for JAX, shape by shape, by
+    `benchmarks/keras_layer.py --backends jax --shapes ...`.
+    """
     return DEFAULT_MIN_GEMM_SIZE if fp8_gemm_supported() else 0
 
 
+# --------------------------------------------------------------------------- choosing the route
 def _rewrite_size_threshold():
     """XLA's `xla_gpu_gemm_rewrite_size_threshold` as set in `XLA_FLAGS`
     (default 100)."""
@@ -82,18 +109,29 @@ def _rewrite_size_threshold():
 # multiplies in the operand type: FP8 operands then overflow (the products of
 # a delayed-scaled E4M3 and E5M2 value exceed both formats' range) and the
 # result holds inf and NaN. Below this many operand elements (or XLA's
-# threshold, if larger) the operands are upcast to float32 first, which is
-# exact (the emulation's product).
+# threshold, if larger) a product runs the exact emulation instead.
 SMALL_DOT_ELEMENTS = 16384
 
 
 def is_small_dot(m, k, n):
-    """Whether an `(m, k) @ (k, n)` FP8 product runs upcast (see
-    `SMALL_DOT_ELEMENTS`). Symbolic sizes (Keras's shape inference) are
-    not small: the output spec is the same either way."""
+    """Whether XLA would multiply an `(m, k) @ (k, n)` FP8 product in FP8
+    (see `SMALL_DOT_ELEMENTS`). Symbolic sizes (Keras's shape inference)
+    are not small: the output spec is the same either way."""
     if recipes.gemm_size((m, k, n)) is None:
         return False
     return m * k + k * n < max(SMALL_DOT_ELEMENTS, _rewrite_size_threshold())
+
+
+def _has_small_dot(m, k, n, block):
+    """Whether any of the call's three products (`(m, k) @ (k, n)`, dx
+    `(m, n) @ (n, k)`, dkernel `(k, m) @ (m, n)`) is a small dot; a
+    block-scaled product is a sum of dots over at most `numerics.BLOCK` of
+    its contraction."""
+    def contraction(length):
+        return min(length, numerics.BLOCK) if block and isinstance(length, int) else length
+
+    return any(is_small_dot(rows, contraction(inner), cols)
+               for rows, inner, cols in ((m, k, n), (m, n, k), (k, m, n)))
 
 
 def _custom_calls_allowed():
@@ -103,58 +141,51 @@ def _custom_calls_allowed():
     return jax_gemm.enabled() and fp8_gemm_supported() and keras.distribution.distribution() is None
 
 
-def _custom_call_applies(a_q, b_q, out_dtype):
-    """Whether this product runs `jax_gemm`'s GEMM custom call: allowed
-    (`_custom_calls_allowed`), shapes it takes, and available."""
-    return _custom_calls_allowed() and jax_gemm.supports(a_q, b_q, out_dtype) and jax_gemm.available()
+_CUSTOM_CALL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None, precision=None):
-    """`(a_q @ b_q) * scale (+ bias)` with FP8 operands handed to XLA directly:
-    the GEMM writes the output dtype; the scale and bias are applied to that
-    in float32 (one fused pass). `precision=None` lets cuBLASLt accumulate
-    in its fast FP8 mode; `Precision.HIGHEST` turns that off."""
-    if is_small_dot(a_q.shape[0], a_q.shape[1], b_q.shape[1]):
-        return numerics.scaled_matmul(a_q, b_q, scale, out_dtype, bias)
-    out_dtype = jnp.dtype(out_dtype)
-    product = jax.lax.dot_general(
-        a_q, b_q, dimension_numbers=(((1,), (0,)), ((), ())), precision=precision,
-        preferred_element_type=out_dtype if out_dtype.itemsize < 4 else jnp.float32,
-    )
-    y = product.astype(jnp.float32) * scale
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return y.astype(out_dtype)
+def _custom_calls_apply(x, kernel, recipe):
+    """Whether a call takes the `FUSED` route: the custom calls allowed
+    (`_custom_calls_allowed`) and available, a per-tensor recipe without
+    E5M2 x E5M2 products, M, K and N positive multiples of 16 (each is the
+    contraction of one of the three GEMMs), not a small dot, and 16- or
+    32-bit float operands."""
+    if not _custom_calls_allowed():
+        return False
+    if isinstance(recipe, recipes.BlockScaling) or recipes.E5M2 == recipe.forward_format:
+        return False
+    m, k = x.shape
+    n = kernel.shape[1]
+    if not all(isinstance(v, int) and v > 0 and v % 16 == 0 for v in (m, k, n)) or is_small_dot(m, k, n):
+        return False
+    if jnp.dtype(x.dtype) not in _CUSTOM_CALL_DTYPES or jnp.dtype(kernel.dtype) not in _CUSTOM_CALL_DTYPES:
+        return False
+    return jax_gemm.available() and jax_gemm.quantize_available()
 
 
-def _gpu_fp8_matmul(a_q, b_q, scale, out_dtype, bias=None, precision=None):
-    """An FP8 product on the GPU: `jax_gemm`'s custom call where it applies
-    (`_custom_call_applies`), else `_xla_fp8_matmul`. `precision` as
-    there: None or DEFAULT is cuBLASLt's fast accumulation."""
-    if not is_small_dot(a_q.shape[0], a_q.shape[1], b_q.shape[1]) and _custom_call_applies(a_q, b_q, out_dtype):
-        fast = precision is None or precision == jax.lax.Precision.DEFAULT
-        # The first operand is written as it is before any transpose of it
-        # (see _fp8_matmul_bwd).
-        a_q = jax.lax.optimization_barrier(a_q)
-        return jax_gemm.scaled_matmul(a_q, b_q, scale, out_dtype, bias, fast_accum=fast)
-    return _xla_fp8_matmul(a_q, b_q, scale, out_dtype, bias, precision)
+def route(x, kernel, recipe):
+    """The route of one FP8 layer call's three products (see the module
+    docstring), for `x @ kernel` under `recipe`.
+
+    Args:
+        x: The `(M, K)` input.
+        kernel: The `(K, N)` kernel.
+        recipe: The call's recipe.
+
+    Returns:
+        `FUSED`, `XLA` or `EMULATION`.
+    """
+    if not fp8_gemm_supported():
+        return EMULATION
+    if _custom_calls_apply(x, kernel, recipe):
+        return FUSED
+    m, k = x.shape
+    if _has_small_dot(m, k, kernel.shape[1], isinstance(recipe, recipes.BlockScaling)):
+        return EMULATION
+    return XLA
 
 
-def _matmul():
-    return _gpu_fp8_matmul if fp8_gemm_supported() else numerics.scaled_matmul
-
-
-def _backward_matmul():
-    """The backward's two products accumulate in full, as the GEMM contract
-    asks (docs/design.md, numerics): the custom call without fast
-    accumulation; XLA enables cuBLASLt's fast FP8 accumulation for every
-    FP8 dot at the default precision, and at `Precision.HIGHEST` keeps the
-    FP8 GEMM and accumulates in full."""
-    if fp8_gemm_supported():
-        return functools.partial(_gpu_fp8_matmul, precision=jax.lax.Precision.HIGHEST)
-    return numerics.scaled_matmul
-
-
+# --------------------------------------------------------------------------- quantize and multiply, by route
 def keep_rounding(q):
     """`q` behind an optimization barrier, so that XLA cannot fold the
     conversion that made it (to FP8) and the one that widens it into one
@@ -176,6 +207,95 @@ def _as_stored(x):
     return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
+def _amax(x):
+    """`numerics.compute_amax(x)`, NaN wherever `x` holds a NaN. XLA's CPU
+    max-reduction of a large array can drop a NaN (and return a finite
+    amax or -inf); a NaN amax must stay NaN, which is never recorded
+    (docs/numerics.md), as the custom calls and torch_ops compute it."""
+    return jnp.where(jnp.any(jnp.isnan(x)), jnp.float32(jnp.nan), numerics.compute_amax(x))
+
+
+class _Quantized(NamedTuple):
+    """A quantized operand: `q`, its transpose `q_t` where the route wrote
+    it (the fused quantize writes both; None elsewhere, or where the
+    backward does not read it), its amax and the scale it was quantized
+    with."""
+
+    q: object
+    q_t: object
+    amax: object
+    scale: object
+
+
+def _quantize(route_name, t, scale, history, fmt, recipe, gradient=False):
+    """`t` quantized with the scale the recipe picks from the state
+    (`scale`, `history`) and `t`'s amax (`numerics.operand_scale`, or
+    `numerics.backward_scale` for an output `gradient`); records nothing.
+
+    Returns:
+        A `_Quantized`.
+    """
+    if route_name == FUSED:
+        mode = "current" if isinstance(recipe, recipes.CurrentScaling) else "delayed"
+        return _Quantized(*jax_gemm.quantize(t, scale, fmt, mode, history, recipe.margin))
+    amax = _amax(t)
+    if gradient:
+        used = numerics.backward_scale(amax, history, scale, fmt, recipe)
+    else:
+        used, _, _ = numerics.operand_scale(amax, history, scale, fmt, recipe, record=False)
+    return _Quantized(numerics.quantize(t, used, fmt), None, amax, used)
+
+
+def _transposed(route_name, op):
+    """`op` as the transpose of its tensor: on the `FUSED` route the two
+    layouts the quantize wrote swap (nothing is transposed in the program);
+    elsewhere the transpose is computed."""
+    if route_name == FUSED:
+        return op._replace(q=op.q_t, q_t=op.q)
+    return op._replace(q=ops.transpose(op.q), q_t=None)
+
+
+def _xla_dot(a_q, b_q, scale, out_dtype, bias=None, precision=None):
+    """`(a_q @ b_q) * scale (+ bias)` by XLA's FP8 `dot_general`: the GEMM
+    writes the output dtype; the scale and bias are applied to that in
+    float32 (one fused pass). `precision=None` lets cuBLASLt accumulate in
+    its fast FP8 mode; `Precision.HIGHEST` turns that off."""
+    out_dtype = jnp.dtype(out_dtype)
+    product = jax.lax.dot_general(
+        a_q, b_q, dimension_numbers=(((1,), (0,)), ((), ())), precision=precision,
+        preferred_element_type=out_dtype if out_dtype.itemsize < 4 else jnp.float32,
+    )
+    y = product.astype(jnp.float32) * scale
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+def _product(route_name, a, b, out_dtype, bias=None, backward=False):
+    """`(a @ b) * (a.scale * b.scale) (+ bias)` of two `_Quantized`, float32
+    accumulation, by the route. The forward may accumulate in cuBLASLt's
+    fast FP8 mode; the `backward`'s products accumulate in full (the
+    custom call without fast accumulation; XLA's dot at
+    `Precision.HIGHEST`, which keeps the FP8 GEMM: XLA turns fast
+    accumulation on for every FP8 dot at the default precision)."""
+    scale = ops.multiply(a.scale, b.scale)
+    if route_name == FUSED:
+        return jax_gemm.scaled_matmul_nt(a.q, b.q_t, scale, out_dtype, bias, fast_accum=not backward)
+    if route_name == XLA:
+        return _xla_dot(a.q, b.q, scale, out_dtype, bias, jax.lax.Precision.HIGHEST if backward else None)
+    return numerics.scaled_matmul(a.q, b.q, scale, out_dtype, bias)
+
+
+def _block_matmul(route_name):
+    """The block-scaled product of the route (`numerics.block_matmul`'s
+    signature)."""
+    if route_name == XLA:
+        from keras_fp8.backends import jax_block
+
+        return jax_block.gpu_block_matmul
+    return numerics.block_matmul
+
+
 def _bias_grad(grad, has_bias, bias_proto):
     """The bias gradient: summed in float32, rounded to the output's dtype
     (as the torch backend's fused bias rounds it); a placeholder without
@@ -185,49 +305,102 @@ def _bias_grad(grad, has_bias, bias_proto):
     return _as_stored(jnp.sum(grad.astype(jnp.float32), axis=0).astype(grad.dtype)).astype(bias_proto.dtype)
 
 
-# `bias` is a `(N,)` tensor where `has_bias`, else an unused placeholder.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def _fp8_matmul(x, kernel, bias, pending, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
-                has_bias):
-    y, _, _ = numerics.fp8_forward(x, kernel, x_scale, kernel_scale, recipe, bias if has_bias else None,
-                                   matmul=_matmul())
+def _protos(x, kernel, bias):
+    """Zero-size stand-ins carrying the dtypes the backward returns."""
+    return jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype), jnp.zeros((), bias.dtype)
+
+
+# --------------------------------------------------------------------------- per-tensor scaling
+def _per_tensor_forward(route_name, x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history, recipe,
+                        has_bias):
+    fmt = recipe.forward_format
+    x_op = _quantize(route_name, x, x_scale, x_history, fmt, recipe)
+    kernel_op = _quantize(route_name, kernel, kernel_scale, kernel_history, fmt, recipe)
+    y = _product(route_name, x_op, kernel_op, x.dtype, bias if has_bias else None)
+    return (y, x_op.amax, kernel_op.amax, x_op.scale, kernel_op.scale), (x_op, kernel_op)
+
+
+# A per-tensor-scaled layer product by one route: `numerics`' quantize and
+# scale rules, `docs/numerics.md`'s three GEMMs. `bias` is a `(N,)` tensor
+# where `has_bias`, else an unused placeholder. Returns `(y, x_amax,
+# kernel_amax, x_scale_used, kernel_scale_used)`; the caller records the
+# amaxes (`_record_scale`).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13))
+def _per_tensor_product(x, kernel, bias, pending, x_scale, x_history, kernel_scale, kernel_history, grad_scale,
+                        grad_history, emit_token, route_name, recipe, has_bias):
+    outputs, _ = _per_tensor_forward(route_name, x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history,
+                                     recipe, has_bias)
+    return outputs
+
+
+def _per_tensor_product_fwd(x, kernel, bias, pending, x_scale, x_history, kernel_scale, kernel_history, grad_scale,
+                            grad_history, emit_token, route_name, recipe, has_bias):
+    outputs, (x_op, kernel_op) = _per_tensor_forward(route_name, x, kernel, bias, x_scale, x_history, kernel_scale,
+                                                     kernel_history, recipe, has_bias)
+    # On the FUSED route the backward's GEMMs read x's transposed layout
+    # (dkernel) and the kernel's own (dx): only those are kept. Elsewhere
+    # the backward transposes the saved operands.
+    if route_name == FUSED:
+        x_op, kernel_op = x_op._replace(q=None), kernel_op._replace(q_t=None)
+    saved = (x_op._replace(amax=None), kernel_op._replace(amax=None))
+    state = (x_scale, x_history, kernel_scale, kernel_history, grad_scale, grad_history, emit_token)
+    return outputs, (saved, state, _protos(x, kernel, bias))
+
+
+def _per_tensor_product_bwd(route_name, recipe, has_bias, residuals, cotangents):
+    grad = _as_stored(cotangents[0])
+    (x_op, kernel_op), state, (x_proto, kernel_proto, bias_proto) = residuals
+    grad_scale, grad_history, emit_token = state[4:]
+    grad_op = _quantize(route_name, grad, grad_scale, grad_history, recipe.backward_format, recipe, gradient=True)
+    dx = _product(route_name, grad_op, _transposed(route_name, kernel_op), x_proto.dtype, backward=True)
+    dkernel = _product(route_name, _transposed(route_name, x_op), grad_op, kernel_proto.dtype, backward=True)
+    dpending = numerics.pending_cotangent(grad_op.amax, emit_token)
+    return (dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending) + tuple(jnp.zeros_like(v) for v in state)
+
+
+_per_tensor_product.defvjp(_per_tensor_product_fwd, _per_tensor_product_bwd)
+
+
+def _record_scale(layer, role, amax, fmt, recipe):
+    """Records operand `role`'s `amax` in the layer's state
+    (`numerics.operand_scale`)."""
+    history = getattr(layer, f"{role}_amax_history")
+    scale = getattr(layer, f"{role}_scale")
+    _, new_history, new_scale = numerics.operand_scale(ops.stop_gradient(amax), history.value, scale.value, fmt,
+                                                       recipe, record=True)
+    history.assign(new_history)
+    scale.assign(new_scale)
+
+
+# --------------------------------------------------------------------------- block scaling
+# A block-scaled layer product by one route (`numerics.block_forward` and
+# `block_backward`): no input or kernel state; the gradient channel still
+# carries the output gradient's amax.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _block_product(x, kernel, bias, pending, emit_token, route_name, recipe, has_bias):
+    y, _ = numerics.block_forward(x, kernel, recipe, bias if has_bias else None, matmul=_block_matmul(route_name))
     return y
 
 
-def _fp8_matmul_fwd(x, kernel, bias, pending, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
-                    has_bias):
-    y, x_q, kernel_q = numerics.fp8_forward(x, kernel, x_scale, kernel_scale, recipe, bias if has_bias else None,
-                                            matmul=_matmul())
-    residuals = (x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token,
-                 jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype), jnp.zeros((), bias.dtype))
-    return y, residuals
+def _block_product_fwd(x, kernel, bias, pending, emit_token, route_name, recipe, has_bias):
+    y, residuals = numerics.block_forward(x, kernel, recipe, bias if has_bias else None,
+                                          matmul=_block_matmul(route_name))
+    return y, (residuals, emit_token, _protos(x, kernel, bias))
 
 
-def _fp8_matmul_bwd(recipe, has_bias, residuals, grad):
+def _block_product_bwd(route_name, recipe, has_bias, saved, grad):
     grad = _as_stored(grad)
-    (x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, x_proto, kernel_proto,
-     bias_proto) = residuals
-    if fp8_gemm_supported() and jax_gemm.enabled():
-        # The backward transposes the saved FP8 operands. Left free, XLA
-        # fuses those transposes into the forward's quantize (reading x
-        # again and keeping x_q and its transpose alive from the forward
-        # on, and, for the output gradient, deriving the row-major copy
-        # from the transposed one): the barrier makes each transpose a copy
-        # of the one-byte array.
-        x_q, kernel_q = jax.lax.optimization_barrier((x_q, kernel_q))
-    dx, dkernel, dpending = numerics.fp8_backward(
-        grad, x_q, kernel_q, x_scale, kernel_scale, grad_scale, grad_history, emit_token, recipe,
-        x_proto.dtype, kernel_proto.dtype, matmul=_backward_matmul(),
-    )
-    dbias = _bias_grad(grad, has_bias, bias_proto)
-    zeros = jnp.zeros_like
-    return (dx, dkernel, dbias, dpending, zeros(x_scale), zeros(kernel_scale), zeros(grad_scale),
-            zeros(grad_history), zeros(emit_token))
+    residuals, emit_token, (x_proto, kernel_proto, bias_proto) = saved
+    dx, dkernel, _ = numerics.block_backward(grad, residuals, emit_token, recipe, x_proto.dtype, kernel_proto.dtype,
+                                             matmul=_block_matmul(route_name))
+    dpending = numerics.pending_cotangent(_amax(grad), emit_token)
+    return dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending, jnp.zeros_like(emit_token)
 
 
-_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+_block_product.defvjp(_block_product_fwd, _block_product_bwd)
 
 
+# --------------------------------------------------------------------------- the layer's call
 def _fold_grad_state(layer, recipe, training):
     """A training call folds the last backward's pending gradient amax into
     the gradient state (`numerics.fold_pending_grad_amax`).
@@ -247,189 +420,23 @@ def _fold_grad_state(layer, recipe, training):
     return grad_history, grad_scale, emit_token
 
 
-# --------------------------------------------------------------------------- block scaling
-def _block_matmul_impl():
-    if fp8_gemm_supported():
-        from keras_fp8.backends import jax_block
-
-        return _upcast_small(jax_block.gpu_block_matmul)
-    return numerics.block_matmul
-
-
-def _upcast_small(gpu_matmul):
-    """`gpu_matmul`, except for dots small enough that XLA multiplies them in
-    the operand type (`is_small_dot`): those run the exact emulation."""
-
-    def matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_tiles=False):
-        if is_small_dot(a_q.shape[0], min(a_q.shape[1], numerics.BLOCK), b_q.shape[1]):
-            return numerics.block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias, b_tiles)
-        return gpu_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias, b_tiles)
-
-    return matmul
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _block_fp8_matmul(x, kernel, bias, pending, emit_token, recipe, has_bias):
-    y, _ = numerics.block_forward(x, kernel, recipe, bias if has_bias else None, matmul=_block_matmul_impl())
-    return y
-
-
-def _block_fp8_matmul_fwd(x, kernel, bias, pending, emit_token, recipe, has_bias):
-    y, residuals = numerics.block_forward(x, kernel, recipe, bias if has_bias else None,
-                                          matmul=_block_matmul_impl())
-    protos = (jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype), jnp.zeros((), bias.dtype))
-    return y, (residuals, emit_token, protos)
-
-
-def _block_fp8_matmul_bwd(recipe, has_bias, saved, grad):
-    grad = _as_stored(grad)
-    residuals, emit_token, (x_proto, kernel_proto, bias_proto) = saved
-    dx, dkernel, dpending = numerics.block_backward(grad, residuals, emit_token, recipe, x_proto.dtype,
-                                                    kernel_proto.dtype, matmul=_block_matmul_impl())
-    return dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending, jnp.zeros_like(emit_token)
-
-
-_block_fp8_matmul.defvjp(_block_fp8_matmul_fwd, _block_fp8_matmul_bwd)
-
-
-def _block_matmul_call(layer, x, kernel, bias, recipe, training):
-    """The block-scaled matmul: no input or kernel state; the gradient channel
-    still carries the output gradient's amax (recorded by the fold)."""
-    _, _, emit_token = _fold_grad_state(layer, recipe, training)
-    has_bias = bias is not None
-    bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
-    return _block_fp8_matmul(x, kernel, bias_value, compat.raw_value(layer.grad_amax_pending),
-                             ops.stop_gradient(emit_token), recipe, has_bias)
-
-
-# --------------------------------------------------------------------------- the fused path (custom calls)
-def _scale_mode(recipe):
-    """The quantize custom call's scale mode of a per-tensor recipe."""
-    return "current" if isinstance(recipe, recipes.CurrentScaling) else "delayed"
-
-
-def _fused_applies(x, kernel, recipe):
-    """Whether a layer's product runs the fused path (`_fused_fp8_matmul`):
-    the custom calls allowed (`_custom_calls_allowed`) and available, M, K
-    and N positive multiples of 16 (each is the contraction of one of the
-    three GEMMs), not a small dot, 16- or 32-bit float operands, and no
-    E5M2 x E5M2 product."""
-    if not _custom_calls_allowed():
-        return False
-    if isinstance(recipe, recipes.BlockScaling) or recipes.E5M2 == recipe.forward_format:
-        return False
-    m, k = x.shape
-    n = kernel.shape[1]
-    if not all(isinstance(v, int) and v > 0 and v % 16 == 0 for v in (m, k, n)) or is_small_dot(m, k, n):
-        return False
-    floats = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-    if jnp.dtype(x.dtype) not in floats or jnp.dtype(kernel.dtype) not in floats:
-        return False
-    return jax_gemm.available() and jax_gemm.quantize_available()
-
-
-def _fused_forward(x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history, recipe, has_bias):
-    fmt, mode = recipe.forward_format, _scale_mode(recipe)
-    x_q, x_q_t, x_amax, x_used = jax_gemm.quantize(x, x_scale, fmt, mode, x_history, recipe.margin)
-    kernel_q, kernel_q_t, kernel_amax, kernel_used = jax_gemm.quantize(kernel, kernel_scale, fmt, mode,
-                                                                       kernel_history, recipe.margin)
-    y = jax_gemm.scaled_matmul_nt(x_q, kernel_q_t, ops.multiply(x_used, kernel_used), x.dtype,
-                                  bias if has_bias else None, fast_accum=True)
-    return (y, x_amax, kernel_amax, x_used, kernel_used), (x_q_t, kernel_q, x_used, kernel_used)
-
-
-# The fused path: `numerics.fp8_forward` and `fp8_backward`'s products with
-# the scales `numerics.operand_scale` and `backward_scale` pick, by the
-# custom calls. Each quantize writes both layouts its operand's GEMMs read,
-# so nothing is transposed in the program, and returns the amax and the
-# scale it used; the state update stays with `numerics` (`_fused_call`).
-# Returns `(y, x_amax, kernel_amax, x_scale_used, kernel_scale_used)`.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
-def _fused_fp8_matmul(x, kernel, bias, pending, x_scale, x_history, kernel_scale, kernel_history, grad_scale,
-                      grad_history, emit_token, recipe, has_bias):
-    outputs, _ = _fused_forward(x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history, recipe, has_bias)
-    return outputs
-
-
-def _fused_fp8_matmul_fwd(x, kernel, bias, pending, x_scale, x_history, kernel_scale, kernel_history, grad_scale,
-                          grad_history, emit_token, recipe, has_bias):
-    outputs, saved = _fused_forward(x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history, recipe,
-                                    has_bias)
-    state = (x_scale, x_history, kernel_scale, kernel_history, grad_scale, grad_history, emit_token)
-    protos = (jnp.zeros((), x.dtype), jnp.zeros((), kernel.dtype), jnp.zeros((), bias.dtype))
-    return outputs, (saved, state, protos)
-
-
-def _fused_fp8_matmul_bwd(recipe, has_bias, residuals, cotangents):
-    grad = _as_stored(cotangents[0])
-    (x_q_t, kernel_q, x_used, kernel_used), state, (x_proto, kernel_proto, bias_proto) = residuals
-    grad_scale, grad_history, emit_token = state[4:]
-    grad_q, grad_q_t, amax, used = jax_gemm.quantize(grad, grad_scale, recipe.backward_format, _scale_mode(recipe),
-                                                     grad_history, recipe.margin)
-    dx = jax_gemm.scaled_matmul_nt(grad_q, kernel_q, ops.multiply(used, kernel_used), x_proto.dtype,
-                                   fast_accum=False)
-    dkernel = jax_gemm.scaled_matmul_nt(x_q_t, grad_q_t, ops.multiply(x_used, used), kernel_proto.dtype,
-                                        fast_accum=False)
-    dpending = numerics.pending_cotangent(amax, emit_token)
-    return (dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending) + tuple(jnp.zeros_like(v) for v in state)
-
-
-_fused_fp8_matmul.defvjp(_fused_fp8_matmul_fwd, _fused_fp8_matmul_bwd)
-
-
-def _fused_call(layer, x, kernel, bias, recipe, training):
-    """`fp8_matmul` by the fused path: the custom calls quantize with the
-    scales `numerics.operand_scale` would pick and return the amaxes, which
-    `numerics.operand_scale` then records (training)."""
-    roles = ("input", "kernel")
-    histories = [getattr(layer, f"{role}_amax_history").value for role in roles]
-    scales = [getattr(layer, f"{role}_scale").value for role in roles]
-    grad_history, grad_scale, emit_token = _fold_grad_state(layer, recipe, training)
-    has_bias = bias is not None
-    bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
-    y, x_amax, kernel_amax, _, _ = _fused_fp8_matmul(
-        x, kernel, bias_value, compat.raw_value(layer.grad_amax_pending), scales[0], histories[0], scales[1],
-        histories[1], ops.stop_gradient(grad_scale), ops.stop_gradient(grad_history), ops.stop_gradient(emit_token),
-        recipe, has_bias)
-    if training:
-        for role, amax in zip(roles, (x_amax, kernel_amax)):
-            _record_scale(layer, role, ops.stop_gradient(amax), recipe.forward_format, recipe, training)
-    return y
-
-
-# --------------------------------------------------------------------------- per-tensor scaling
-def _operand_scale(layer, role, x, fmt, recipe, training):
-    """The scale quantizing operand `role`; records its amax when training."""
-    return _record_scale(layer, role, numerics.compute_amax(ops.stop_gradient(x)), fmt, recipe, training)
-
-
-def _record_scale(layer, role, amax, fmt, recipe, training):
-    """`numerics.operand_scale` for operand `role`'s `amax` on the layer's
-    state, which it updates when training; returns the scale used."""
-    history = getattr(layer, f"{role}_amax_history")
-    scale = getattr(layer, f"{role}_scale")
-    scale_used, new_history, new_scale = numerics.operand_scale(
-        amax, history.value, scale.value, fmt, recipe, record=training)
-    if training:
-        history.assign(new_history)
-        scale.assign(new_scale)
-    return ops.stop_gradient(scale_used)
-
-
 def fp8_matmul(layer, x, kernel, bias, recipe, training):
     """See `keras_fp8.backends`."""
     x = _as_stored(x)
-    if recipe.name == "block":
-        return _block_matmul_call(layer, x, kernel, bias, recipe, training)
-    if _fused_applies(x, kernel, recipe):
-        return _fused_call(layer, x, kernel, bias, recipe, training)
-    x_scale = _operand_scale(layer, "input", x, recipe.forward_format, recipe, training)
-    kernel_scale = _operand_scale(layer, "kernel", kernel, recipe.forward_format, recipe, training)
+    route_name = route(x, kernel, recipe)
     grad_history, grad_scale, emit_token = _fold_grad_state(layer, recipe, training)
     has_bias = bias is not None
     bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
-    return _fp8_matmul(
-        x, kernel, bias_value, compat.raw_value(layer.grad_amax_pending), x_scale, kernel_scale,
-        ops.stop_gradient(grad_scale), ops.stop_gradient(grad_history), ops.stop_gradient(emit_token), recipe,
-        has_bias,
-    )
+    pending = compat.raw_value(layer.grad_amax_pending)
+    emit_token = ops.stop_gradient(emit_token)
+    if isinstance(recipe, recipes.BlockScaling):
+        return _block_product(x, kernel, bias_value, pending, emit_token, route_name, recipe, has_bias)
+    y, x_amax, kernel_amax, _, _ = _per_tensor_product(
+        x, kernel, bias_value, pending, layer.input_scale.value, layer.input_amax_history.value,
+        layer.kernel_scale.value, layer.kernel_amax_history.value, ops.stop_gradient(grad_scale),
+        ops.stop_gradient(grad_history), emit_token, route_name, recipe, has_bias)
+    if training:
+        for role, amax in (("input", x_amax), ("kernel", kernel_amax)):
+            _record_scale(layer, role, amax, recipe.forward_format, recipe)
+    return y
+

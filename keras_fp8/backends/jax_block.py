@@ -3,8 +3,8 @@
 `numerics.block_matmul` is the reference: each 128-long stretch of the
 contraction summed in float32 and multiplied by its two scales. XLA has no
 block-scaled GEMM for Hopper (its FP8 `dot_general` takes one scale per
-operand), so on an FP8 GPU two real FP8 paths exist, in order of preference
-(docs/design.md, "Block scaling"):
+operand), so the backend's `XLA` route multiplies block-scaled operands in
+one of two ways, in order of preference (docs/design.md, "Block scaling"):
 
 - `pallas_block_matmul`: a Pallas kernel (Triton on the GPU) that keeps a
   128 x 128 float32 accumulator per program, loads one 128-wide FP8 slab of
@@ -50,8 +50,10 @@ def _column_scales(b_scales, n, b_tiles):
     return jnp.repeat(b_scales.astype(jnp.float32), BLOCK, axis=1)[:, :n]
 
 
-# Triton launch settings of the kernel (warps per program, software pipeline
-# stages), measured on an H200 (docs/benchmarks.md).
+# Triton launch settings (warps per program, software pipeline stages): 8
+# warps hold the 128 x 128 float32 accumulator in 64 registers a thread; 3
+# stages overlap the next slabs' loads with this slab's product.
+# `pallas_block_matmul` takes others.
 NUM_WARPS = 8
 NUM_STAGES = 3
 

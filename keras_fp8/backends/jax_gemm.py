@@ -1,26 +1,24 @@
 """The JAX backend's custom calls, on by default: the FP8 GEMM
-(`csrc/jax_ffi.cpp`) and the fused FP8 quantize (`csrc/jax_quantize.cu`).
+(`csrc/jax_ffi.cpp`) and the fused FP8 quantize (`csrc/jax_quantize.cu`),
+the kernels torch_ops runs, as XLA FFI targets.
 
 XLA's own FP8 `dot_general` writes its product in the output dtype and
 multiplies by the scale in a second pass: two roundings and one more read
-and write of every output. The custom call runs the cuBLASLt GEMM that
+and write of every output. The GEMM custom call runs the cuBLASLt GEMM that
 torch_ops runs (`csrc/lt_gemm.h`): the two scales and the bias in the
 epilogue, one rounding, no second pass, and the torch backend's algorithm
-choice. docs/design.md, "Execution paths"; docs/benchmarks.md has what
-the two ways measure (`set_enabled(False)` keeps XLA's way).
-
-The quantize custom call runs torch_ops's fused quantize kernels
+choice. The quantize custom call runs torch_ops's fused quantize kernels
 (`csrc/quantize_kernels.cuh`): one read of the input writes the FP8 array,
 its transpose, the amax and the scale used, where XLA needs separate
-fusions for the quantize, each transpose and the amax.
+fusions for the quantize, each transpose and the amax. docs/design.md,
+"Execution paths", says when a layer runs them (`set_enabled(False)` keeps
+XLA's way).
 
-The GEMM library is compiled on first use (a C++ compiler, the CUDA runtime
-and cuBLASLt headers: the `nvidia-*` wheels JAX's CUDA plugin installs, or
-a CUDA toolkit), the quantize library with nvcc for the GPU's architecture;
-both are cached under `~/.cache/keras_fp8/jax_ffi/`, registered with XLA
-and checked once against the exact emulation. Where any of that fails, a
-one-time warning names why and the backend keeps XLA's FP8 dot
-(`available()` is False) or XLA's quantize (`quantize_available()`).
+Each library is built on first use (`keras_fp8.backends.jax_ffi_build`,
+cached under `~/.cache/keras_fp8/jax_ffi/`), registered with XLA and checked
+once against the exact emulation. Where any of that fails, a one-time
+warning names why and the backend keeps XLA's FP8 dot (`available()` is
+False) or XLA's quantize (`quantize_available()`).
 
 Example:
 
@@ -33,14 +31,6 @@ jax_gemm.set_enabled(False)   # XLA's fusions and FP8 dot, for functions traced 
 
 import ctypes
 import functools
-import hashlib
-import importlib.util
-import os
-import pathlib
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import warnings
 
@@ -48,11 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from keras_fp8.backends import jax_ffi_build
+
 TARGET = "keras_fp8_scaled_gemm"
-SOURCES = ("jax_ffi.cpp", "jax_ffi_util.h", "lt_gemm.h")
 QUANTIZE_TARGET = "keras_fp8_quantize"
-QUANTIZE_SOURCES = ("jax_quantize.cu", "jax_ffi_util.h", "quantize_kernels.cuh", "cuda_common.h", "finalize.cuh",
-                    "fold_block.cuh")
 # The quantize kernels' scale modes (csrc/quantize_kernels.cuh).
 SCALE_MODES = {"given": 0, "delayed": 1, "current": 2}
 # fp8lt::kWorkspaceBytes (csrc/lt_gemm.h): the workspace XLA allocates for
@@ -83,175 +72,6 @@ def set_enabled(enabled):
 def enabled():
     """Whether the custom calls are on (`set_enabled`)."""
     return _enabled
-
-
-def source_dir():
-    """The folder holding `csrc/` (a source checkout's top level, or the
-    installed wheel's `torch_ops/csrc`), found without importing torch."""
-    names = SOURCES + QUANTIZE_SOURCES
-    here = pathlib.Path(__file__).resolve().parents[2] / "csrc"
-    if all((here / name).is_file() for name in names):
-        return here
-    spec = importlib.util.find_spec("torch_ops")
-    if spec is not None and spec.submodule_search_locations:
-        for location in spec.submodule_search_locations:
-            for candidate in (pathlib.Path(location) / "csrc", pathlib.Path(location).parent / "csrc"):
-                if all((candidate / name).is_file() for name in names):
-                    return candidate
-    raise FileNotFoundError(f"csrc/: expected {', '.join(names)} beside keras_fp8 or in torch_ops/csrc")
-
-
-def _cuda_roots():
-    """Folders that may hold CUDA headers and libraries, best first: the
-    `nvidia-*` wheels (what JAX's CUDA plugin loads), then a toolkit."""
-    roots = []
-    for site in sys.path:
-        nvidia = pathlib.Path(site) / "nvidia"
-        if nvidia.is_dir():
-            roots += sorted(p for p in nvidia.glob("cu*") if p.is_dir())
-            roots += sorted(p for p in nvidia.glob("*") if (p / "include").is_dir())
-    for variable in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(variable):
-            roots.append(pathlib.Path(os.environ[variable]))
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        roots.append(pathlib.Path(os.path.realpath(nvcc)).parent.parent)
-    roots.append(pathlib.Path("/usr/local/cuda"))
-    return [r for i, r in enumerate(roots) if r not in roots[:i]]
-
-
-def _find(roots, subdirs, names):
-    """The first folder `root/subdir` holding every file of `names` (a
-    name ending in `*` matches any suffix)."""
-    for root in roots:
-        for sub in subdirs:
-            folder = root / sub
-            if all(any(folder.glob(name)) for name in names):
-                return folder
-    return None
-
-
-def build(build_dir=None):
-    """Compiles the custom call's library (once per source and jaxlib
-    version) and returns its path.
-
-    Args:
-        build_dir: Where to build; default `~/.cache/keras_fp8/jax_ffi`.
-
-    Returns:
-        The path of the shared library.
-    """
-    src = source_dir()
-    out = _library_path(build_dir, "libkeras_fp8_jax", [src / name for name in SOURCES])
-    if out.is_file():
-        return out
-    roots = _cuda_roots()
-    # cuda_runtime.h with the crt/ headers it includes (a runtime wheel may
-    # ship it without them).
-    includes = [_find(roots, ["include"], ["cuda_runtime.h", "crt/host_config.h"]),
-                _find(roots, ["include"], ["cublasLt.h"])]
-    libs = [_find(roots, ["lib", "lib64"], ["libcudart.so*"]), _find(roots, ["lib", "lib64"], ["libcublasLt.so*"])]
-    if None in includes or None in libs:
-        raise FileNotFoundError(f"CUDA runtime and cuBLASLt headers and libraries: not found under "
-                                f"{[str(r) for r in roots]}")
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        raise FileNotFoundError("a C++ compiler (g++ or $CXX): not found")
-
-    def lib_flag(folder, stem):
-        # The versioned name where there is no plain .so (the wheels ship
-        # only libcublasLt.so.13).
-        plain = folder / f"lib{stem}.so"
-        return f"-l{stem}" if plain.exists() else f"-l:{sorted(folder.glob(f'lib{stem}.so.*'))[0].name}"
-
-    lib_dirs = list(dict.fromkeys(libs))
-    return _compile(out, lambda partial: (
-        [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{src}", f"-I{jax.ffi.include_dir()}"]
-        + [f"-I{d}" for d in dict.fromkeys(includes)]
-        + [str(src / "jax_ffi.cpp"), "-o", str(partial)]
-        + [f"-L{d}" for d in lib_dirs] + [f"-Wl,-rpath,{d}" for d in lib_dirs]
-        + [lib_flag(libs[1], "cublasLt"), lib_flag(libs[0], "cudart")]))
-
-
-def _library_path(build_dir, stem, sources, *extra):
-    """Where the library built from `sources` (and `extra` strings) with
-    this jaxlib lives: a name per content, so a change rebuilds it."""
-    digest = hashlib.sha256()
-    for path in sources:
-        digest.update(path.read_bytes())
-    for value in (jax.__version__, *extra):
-        digest.update(str(value).encode())
-    root = pathlib.Path(build_dir) if build_dir else pathlib.Path.home() / ".cache" / "keras_fp8" / "jax_ffi"
-    return root / f"{stem}_{digest.hexdigest()[:16]}.so"
-
-
-def _compile(out, command):
-    """Runs `command(partial_path)` and moves the result to `out` (so that
-    a concurrent or interrupted build never leaves half a library there)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        partial = pathlib.Path(tmp) / out.name
-        cmd = command(partial)
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"building {out.name} failed:\n{' '.join(cmd)}\n{result.stderr[-4000:]}")
-        os.replace(partial, out)
-    return out
-
-
-def cuda_arch(capability):
-    """nvcc's architecture name for a compute capability string (`"9.0"`
-    -> `"90a"`, the Hopper features the kernels use; `"8.9"` -> `"89"`).
-
-    Raises:
-        ValueError: `capability` not of the form `"major.minor"`.
-    """
-    parts = str(capability).split(".")
-    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
-        raise ValueError(f"capability: expected 'major.minor' (e.g. '9.0'), got {capability!r}")
-    major, minor = int(parts[0]), int(parts[1])
-    return f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-
-
-def _find_nvcc(roots):
-    """The first nvcc whose toolkit also has the runtime headers it needs
-    (`crt/`): a toolkit, or the `nvidia-cuda-nvcc` wheel beside a full
-    include folder."""
-    ordered = [r for r in roots if "site-packages" not in str(r)] + [r for r in roots if "site-packages" in str(r)]
-    for root in ordered:
-        nvcc = root / "bin" / "nvcc"
-        if nvcc.is_file() and (root / "include" / "crt" / "host_config.h").is_file():
-            return nvcc
-    return None
-
-
-def build_quantize(build_dir=None, arch=None):
-    """Compiles the quantize custom call's library with nvcc for `arch`
-    (once per source, jaxlib version and architecture) and returns its path.
-
-    Args:
-        build_dir: Where to build; default `~/.cache/keras_fp8/jax_ffi`.
-        arch: nvcc's architecture name (`cuda_arch`); default: the first
-            JAX device's.
-
-    Returns:
-        The path of the shared library.
-    """
-    if arch is None:
-        arch = cuda_arch(jax.devices()[0].compute_capability)
-    src = source_dir()
-    out = _library_path(build_dir, "libkeras_fp8_jax_quantize", [src / name for name in QUANTIZE_SOURCES], arch)
-    if out.is_file():
-        return out
-    roots = _cuda_roots()
-    nvcc = _find_nvcc(roots)
-    if nvcc is None:
-        raise FileNotFoundError(f"nvcc with the CUDA runtime headers: not found under {[str(r) for r in roots]}")
-    # No --use_fast_math: the quantize's reciprocal must be IEEE (byte-exact).
-    return _compile(out, lambda partial: (
-        [str(nvcc), "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-w", "--expt-relaxed-constexpr",
-         f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-I{src}", f"-I{jax.ffi.include_dir()}",
-         str(src / "jax_quantize.cu"), "-o", str(partial)]))
 
 
 def _register(path):
@@ -290,7 +110,7 @@ def _load():
     reason it is not used."""
     try:
         with _lock:
-            _register(build())
+            _register(jax_ffi_build.build_gemm())
         _self_test()
     except Exception as e:  # any failure leaves XLA's FP8 dot in place
         return f"{type(e).__name__}: {e}"
@@ -300,7 +120,8 @@ def _load():
 def available():
     """True when the custom call is built, registered and checked (the
     first call does that; a failure warns once and returns False)."""
-    return _usable(available, _load(), "GEMM", "FP8 products run XLA's FP8 dot instead")
+    return _usable(available, _load(), "GEMM",
+                   "FP8 layers quantize with XLA's fusions and multiply with XLA's FP8 dot instead")
 
 
 def _usable(owner, problem, what, instead):
@@ -470,7 +291,7 @@ def _load_quantize():
     or the reason it is not used."""
     try:
         with _lock:
-            _register_quantize(build_quantize())
+            _register_quantize(jax_ffi_build.build_quantize())
         _self_test_quantize()
     except Exception as e:  # any failure leaves XLA's quantize in place
         return f"{type(e).__name__}: {e}"
@@ -480,7 +301,8 @@ def _load_quantize():
 def quantize_available():
     """True when the quantize custom call is built, registered and checked
     (the first call does that; a failure warns once and returns False)."""
-    return _usable(quantize_available, _load_quantize(), "quantize", "FP8 layers quantize with XLA's fusions instead")
+    return _usable(quantize_available, _load_quantize(), "quantize",
+                   "FP8 layers multiply with XLA's FP8 dot and quantize with XLA's fusions instead")
 
 
 def _quantize_problem(x, fmt, scale_mode, history):

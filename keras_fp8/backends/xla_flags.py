@@ -1,11 +1,9 @@
 """XLA settings keras-fp8 applies for FP8 programs under the JAX backend.
 
-With XLA's default flags, a JAX program whose products have FP8 operands
-spends minutes in XLA's GEMM autotuner trying Triton configurations for them
-(on an H200 a 4-block transformer's FP8 train step had not compiled after
-100 s; with Triton GEMMs off it compiled in about 20 s and ran 1.36x faster
-than bf16, docs/benchmarks.md). XLA reads `XLA_FLAGS` once, when JAX starts
-its backend, which `import keras` does not do. So `import keras_fp8` adds
+With XLA's default flags, XLA's GEMM autotuner tries Triton configurations
+for every product with FP8 operands, which makes a model's FP8 train step
+take minutes to compile; cuBLASLt runs those products with no such search. XLA reads `XLA_FLAGS` once, when JAX starts its
+backend, which `import keras` does not do. So `import keras_fp8` adds
 `--xla_gpu_enable_triton_gemm=false` to `XLA_FLAGS` when all of these hold:
 
 - the Keras backend is JAX;
@@ -15,8 +13,8 @@ its backend, which `import keras` does not do. So `import keras_fp8` adds
   user's choice wins, so `XLA_FLAGS=--xla_gpu_enable_triton_gemm=true` keeps
   XLA's default.
 
-Non-FP8 products then run through cuBLAS instead of Triton: the bf16 model
-benchmark ran at 185-189 ms/step with the flag and 191 ms/step without it.
+Non-FP8 products then run through cuBLAS instead of Triton, which does not
+slow the bf16 parts of a model (docs/guide.md, "Limitations").
 """
 
 import os

@@ -1,6 +1,7 @@
-"""The JAX custom call's plumbing, on any machine: settings, the shapes it
-takes, where it finds its sources and CUDA, and what a failed build does.
-Its products are tested on an FP8 GPU (tests/keras/test_jax_gpu.py)."""
+"""The JAX custom calls' plumbing, on any machine: settings, the shapes they
+take, what a failed build does, and the backend's `FUSED` route with the
+calls stood in for by numerics. Their products are tested on an FP8 GPU
+(tests/keras/test_jax_gpu.py); their build in tests/keras/test_jax_ffi_build.py."""
 
 import pathlib
 import warnings
@@ -9,6 +10,13 @@ import keras
 import pytest
 
 pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's custom call")
+
+
+@pytest.fixture
+def jax_ffi_build():
+    from keras_fp8.backends import jax_ffi_build
+
+    return jax_ffi_build
 
 
 @pytest.fixture
@@ -50,42 +58,11 @@ def test_supports(jax_gemm):
     assert not jax_gemm.supports(jnp.zeros((2, 8, 32), e4), jnp.zeros((32, 16), e4), "bfloat16")
 
 
-def test_sources_are_found(jax_gemm):
-    folder = jax_gemm.source_dir()
-    for name in jax_gemm.SOURCES:
-        assert (folder / name).is_file()
-
-
-def test_find_picks_the_first_folder_with_every_file(jax_gemm, tmp_path):
-    first, second = tmp_path / "a", tmp_path / "b"
-    (first / "include").mkdir(parents=True)
-    (second / "include").mkdir(parents=True)
-    (first / "include" / "cuda_runtime.h").write_text("")
-    (second / "include" / "cuda_runtime.h").write_text("")
-    (second / "include" / "cublasLt.h").write_text("")
-    (second / "lib").mkdir()
-    (second / "lib" / "libcublasLt.so.13").write_text("")
-    assert jax_gemm._find([first, second], ["include"], ["cuda_runtime.h", "cublasLt.h"]) == second / "include"
-    assert jax_gemm._find([first, second], ["lib", "lib64"], ["libcublasLt.so*"]) == second / "lib"
-    assert jax_gemm._find([first], ["lib"], ["libcublasLt.so*"]) is None
-
-
-def test_cuda_roots_start_with_the_wheels_and_take_cuda_home(jax_gemm, monkeypatch, tmp_path):
-    wheel = tmp_path / "site" / "nvidia" / "cu13"
-    (wheel / "include").mkdir(parents=True)
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "toolkit"))
-    roots = jax_gemm._cuda_roots()
-    assert roots[0] == wheel
-    assert pathlib.Path(tmp_path / "toolkit") in roots
-    assert len(roots) == len(set(roots))
-
-
-def test_a_failed_build_warns_once_and_keeps_xla(jax_gemm, monkeypatch):
+def test_a_failed_build_warns_once_and_keeps_xla(jax_gemm, jax_ffi_build, monkeypatch):
     def no_build(build_dir=None):
         raise FileNotFoundError("a C++ compiler (g++ or $CXX): not found")
 
-    monkeypatch.setattr(jax_gemm, "build", no_build)
+    monkeypatch.setattr(jax_ffi_build, "build_gemm", no_build)
     monkeypatch.setattr(jax_gemm.available, "_warned", False, raising=False)
     jax_gemm._load.cache_clear()
     try:
@@ -102,8 +79,11 @@ def test_a_failed_build_warns_once_and_keeps_xla(jax_gemm, monkeypatch):
 
 
 def test_the_backend_uses_it_only_on_an_fp8_gpu(jax_gemm, monkeypatch):
-    # Off an FP8 GPU the products are the emulation's: the custom call is
+    # Off an FP8 GPU the products are the emulation's: the custom calls are
     # never built, nor warned about.
+    import jax.numpy as jnp
+
+    from keras_fp8 import recipes
     from keras_fp8.backends import jax as jax_backend
 
     if jax_backend.fp8_gemm_supported():
@@ -113,19 +93,19 @@ def test_the_backend_uses_it_only_on_an_fp8_gpu(jax_gemm, monkeypatch):
         raise AssertionError("available() called off an FP8 GPU")
 
     monkeypatch.setattr(jax_gemm, "available", fail)
+    monkeypatch.setattr(jax_gemm, "quantize_available", fail)
     jax_backend.prepare_device(None)
-    from keras_fp8 import numerics
+    for recipe in (recipes.DelayedScaling(), recipes.BlockScaling()):
+        assert jax_backend.route(jnp.ones((256, 512)), jnp.ones((512, 384)), recipe) == jax_backend.EMULATION
 
-    assert jax_backend._matmul() is numerics.scaled_matmul
 
-
-def test_scaled_matmul_says_why_it_cannot_run(jax_gemm, monkeypatch):
+def test_scaled_matmul_says_why_it_cannot_run(jax_gemm, jax_ffi_build, monkeypatch):
     import jax.numpy as jnp
 
     def no_build(build_dir=None):
         raise FileNotFoundError("CUDA runtime and cuBLASLt headers and libraries: not found under []")
 
-    monkeypatch.setattr(jax_gemm, "build", no_build)
+    monkeypatch.setattr(jax_ffi_build, "build_gemm", no_build)
     jax_gemm._load.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"custom call is not available \(FileNotFoundError: CUDA runtime"):
@@ -176,35 +156,6 @@ def test_scaled_matmul_nt_names_the_bad_argument(jax_gemm, b_t_shape, match):
 
 
 # --------------------------------------------------------------------------- the fused quantize custom call
-def test_cuda_arch_names_what_nvcc_builds(jax_gemm):
-    assert jax_gemm.cuda_arch("9.0") == "90a"
-    assert jax_gemm.cuda_arch("8.9") == "89"
-    assert jax_gemm.cuda_arch("10.0") == "100"
-    for bad in ("9", "sm_90", "9.0.1", "", "9.\u00b2", "\u0669.0"):
-        with pytest.raises(ValueError, match=r"capability: expected 'major.minor'"):
-            jax_gemm.cuda_arch(bad)
-
-
-def test_nvcc_is_taken_from_a_toolkit_with_the_runtime_headers(jax_gemm, tmp_path):
-    wheel = tmp_path / "site-packages" / "nvidia" / "cu13"
-    toolkit = tmp_path / "cuda"
-    for root in (wheel, toolkit):
-        (root / "bin").mkdir(parents=True)
-        (root / "bin" / "nvcc").write_text("")
-        (root / "include").mkdir()
-    # The wheel's include folder lacks crt/: its nvcc cannot compile alone.
-    assert jax_gemm._find_nvcc([wheel, toolkit]) is None
-    (toolkit / "include" / "crt").mkdir()
-    (toolkit / "include" / "crt" / "host_config.h").write_text("")
-    assert jax_gemm._find_nvcc([wheel, toolkit]) == toolkit / "bin" / "nvcc"
-
-
-def test_the_sources_of_both_custom_calls_are_found(jax_gemm):
-    folder = jax_gemm.source_dir()
-    for name in jax_gemm.SOURCES + jax_gemm.QUANTIZE_SOURCES:
-        assert (folder / name).is_file(), name
-
-
 @pytest.mark.parametrize("shape,dtype,fmt,mode,history_shape,match", [
     ((2, 8, 32), "bfloat16", "e4m3", "given", None, r"x: expected a 2-D array"),
     ((8, 32), "int8", "e4m3", "given", None, r"x: expected bfloat16, float16 or float32, got int8"),
@@ -221,13 +172,13 @@ def test_quantize_names_the_bad_argument(jax_gemm, shape, dtype, fmt, mode, hist
         jax_gemm.quantize(jnp.ones(shape, dtype), jnp.float32(1.0), fmt, mode, history)
 
 
-def test_quantize_says_why_it_cannot_run(jax_gemm, monkeypatch):
+def test_quantize_says_why_it_cannot_run(jax_gemm, jax_ffi_build, monkeypatch):
     import jax.numpy as jnp
 
     def no_build(build_dir=None, arch=None):
         raise FileNotFoundError("nvcc with the CUDA runtime headers: not found under []")
 
-    monkeypatch.setattr(jax_gemm, "build_quantize", no_build)
+    monkeypatch.setattr(jax_ffi_build, "build_quantize", no_build)
     monkeypatch.setattr(jax_gemm.quantize_available, "_warned", False, raising=False)
     jax_gemm._load_quantize.cache_clear()
     try:
@@ -251,13 +202,13 @@ def test_the_fused_path_stays_off_off_an_fp8_gpu(jax_gemm):
     if jax_backend.fp8_gemm_supported():
         pytest.skip("an FP8 GPU: tests/keras/test_jax_gpu.py covers the fused path")
     jax_gemm.set_enabled(True)
-    assert not jax_backend._fused_applies(jnp.ones((64, 64)), jnp.ones((64, 64)), recipes.DelayedScaling())
+    assert not jax_backend._custom_calls_apply(jnp.ones((64, 64)), jnp.ones((64, 64)), recipes.DelayedScaling())
 
 
 def test_the_fused_path_computes_what_the_emulation_computes(jax_gemm, monkeypatch):
-    # The fused custom_vjp's plumbing on any machine: with the two custom
-    # calls stood in for by numerics (their GPU tests hold them to it), one
-    # compiled train step of a model gives the emulation path's output,
+    # The FUSED route's plumbing on any machine: with the two custom calls
+    # stood in for by numerics (their GPU tests hold them to it), one
+    # compiled train step of a model gives the EMULATION route's output,
     # gradients and recorded state, bit for bit.
     import jax
     import jax.numpy as jnp
@@ -290,7 +241,8 @@ def test_the_fused_path_computes_what_the_emulation_computes(jax_gemm, monkeypat
         return numerics.scaled_matmul(a_q, jnp.transpose(b_t), scale, out_dtype, bias)
 
     def train_step(fused):
-        monkeypatch.setattr(jax_backend, "_fused_applies", lambda x, kernel, recipe: fused)
+        chosen = jax_backend.FUSED if fused else jax_backend.EMULATION
+        monkeypatch.setattr(jax_backend, "route", lambda x, kernel, recipe: chosen)
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((64,)), keras_fp8.layers.FP8Dense(48, use_bias=True),
                                   keras_fp8.layers.FP8Dense(32, use_bias=False)])

@@ -254,7 +254,7 @@ def test_gpu_matches_emulation_within_fp8_tolerance():
 def test_tiny_products_stay_finite_and_exact():
     # A 4x16 -> 8 layer: its weight-gradient product (16x4 @ 4x8) is below
     # XLA's GEMM rewrite threshold, where XLA's loop emitter would multiply
-    # the FP8 operands in FP8 (inf/NaN); keras_fp8 upcasts it instead.
+    # the FP8 operands in FP8 (inf/NaN); the call runs the exact emulation.
     import jax.numpy as jnp
 
     keras.mixed_precision.set_global_policy("fp8_hybrid[history_len=8]")
@@ -416,7 +416,7 @@ def _fused_reference(x, kernel, bias, states, grad, recipe):
 @pytest.mark.parametrize("recipe_name", ["delayed_empty", "delayed", "current"])
 @pytest.mark.parametrize("mkn,use_bias", [((256, 512, 384), True), ((1024, 4096, 1024), False)])
 def test_fused_path_matches_the_emulation(recipe_name, mkn, use_bias):
-    # The fused custom_vjp (quantize + GEMM custom calls) against numerics:
+    # The FUSED route's custom_vjp (quantize + GEMM custom calls) against numerics:
     # amaxes and scales bit for bit, the products within the FP8 GEMM bound
     # (fast accumulation forward, full backward).
     import jax
@@ -438,11 +438,12 @@ def test_fused_path_matches_the_emulation(recipe_name, mkn, use_bias):
     before = jax_gemm.enabled()
     jax_gemm.set_enabled(True)
     try:
-        assert jax_backend._fused_applies(x, kernel, recipe)
+        assert jax_backend.route(x, kernel, recipe) == jax_backend.FUSED
 
         def run(x, kernel, bias):
-            out = jax_backend._fused_fp8_matmul(x, kernel, bias, jnp.zeros((3,), jnp.float32), *states[0],
-                                                *states[1], *states[2], jnp.float32(0.0), recipe, use_bias)
+            out = jax_backend._per_tensor_product(x, kernel, bias, jnp.zeros((3,), jnp.float32), *states[0],
+                                                  *states[1], *states[2], jnp.float32(0.0), jax_backend.FUSED, recipe,
+                                                  use_bias)
             return out
 
         outputs, vjp = jax.vjp(jax.jit(run), x, kernel, bias)
@@ -530,8 +531,8 @@ def test_compiled_quantization_statistics_match_eager():
 
 @pytest.mark.parametrize("emulated", [False, True], ids=["small_dot", "emulation"])
 def test_compiled_layer_matches_eager(emulated):
-    # A product small enough to run upcast (is_small_dot), and the exact
-    # emulation a GPU without FP8 runs: both widen the quantized operands.
+    # A product small enough to run the exact emulation (is_small_dot), and
+    # the emulation a GPU without FP8 runs: both widen the quantized operands.
     import jax
 
     from keras_fp8.backends import jax as jax_backend
