@@ -23,9 +23,9 @@ Weight files address an FP8 layer as its plain class (`layers/dense`, not
 `layers/fp8_dense`), so the plain and the FP8 form of a model read each
 other's `.weights.h5`.
 
-Keras's quantization (`model.quantize`, `layer.quantize`) refuses FP8 layers
-and layers under FP8 policies with a ValueError before it changes anything
-(`keras_fp8.unconvert` first). The hooks are installed by
+Keras's quantization (`model.quantize`, and `layer.quantize` on any layer)
+refuses FP8 layers and layers under FP8 policies with a ValueError before it
+changes anything (`keras_fp8.unconvert` first). The hooks are installed by
 `keras_fp8/compat.py` (patches 4 to 6).
 """
 
@@ -88,9 +88,17 @@ def load_own_variables(layer, store, keras_load):
 
 
 def check_layer_quantize(layer, mode):
-    """Raises before Keras's `Dense.quantize` / `EinsumDense.quantize` runs
-    on a layer that is an FP8 layer now."""
-    if isinstance(layer, swap.FP8_CLASSES):
+    """Raises before Keras's `layer.quantize(mode)` changes anything when
+    `layer` is an FP8 layer or runs under an FP8 policy (an `Embedding`, a
+    `Dense` an `exclude` kept plain, a `Dense` subclass: Keras would replace
+    its kernel before failing on the policy name)."""
+    if compat.sublayers(layer, include_self=False):
+        # A model (Keras checks it first, then quantizes its layers one by
+        # one) or a composite layer: check the layers it holds.
+        return check_quantize(layer, mode)
+    if isinstance(layer, swap.FP8_CLASSES) or isinstance(
+        policy_lib.layer_policy(layer), policy_lib.FP8DTypePolicy
+    ):
         raise fp8_state.quantize_error([layer], mode)
 
 
@@ -114,8 +122,8 @@ def check_quantize(model, mode):
 def register():
     """Installs the hooks (idempotent; done at `import keras_fp8`:
     `keras_fp8/compat.py`, patches 4 to 6)."""
-    compat.hook_dense_layers(build, load_own_variables, check_layer_quantize)
-    compat.check_before_quantize(check_quantize)
+    compat.hook_dense_layers(build, load_own_variables)
+    compat.check_before_quantize(check_quantize, check_layer_quantize)
     compat.name_in_weight_files_as(
         {fp8.__name__: plain.__name__ for fp8, plain in swap.PLAIN_CLASS.items()}
     )
