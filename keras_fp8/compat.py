@@ -183,20 +183,19 @@ _keras_model_quantize = keras.Model.quantize
 _keras_check_quantize_args = keras.layers.Layer._check_quantize_args
 
 
-def check_before_quantize(check_model, check_layer):
-    """Patch 5: `Model.quantize(mode, ...)` first calls `check_model(model,
-    mode)`, and every layer's `quantize(mode, ...)` first calls
-    `check_layer(layer, mode)` (then Keras's own argument check); either may
-    raise."""
+def check_before_quantize(check):
+    """Patch 5: `Model.quantize(mode, ...)` and every layer's `quantize(mode,
+    ...)` first call `check(model_or_layer, mode)` (a layer's before Keras's
+    own argument check), which may raise."""
 
     @functools.wraps(_keras_model_quantize)
     def quantize(self, mode=None, config=None, filters=None, **kwargs):
-        check_model(self, mode)
+        check(self, mode)
         return _keras_model_quantize(self, mode, config=config, filters=filters, **kwargs)
 
     @functools.wraps(_keras_check_quantize_args)
     def check_quantize_args(self, mode, compute_dtype):
-        check_layer(self, mode)
+        check(self, mode)
         return _keras_check_quantize_args(self, mode, compute_dtype)
 
     keras.Model.quantize = quantize

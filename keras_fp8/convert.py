@@ -124,8 +124,10 @@ def convert(
             `recipe`, `min_gemm_size` or `policy` is invalid.
     """
     _check_model(model)
-    include_fn = _selector(include, "include", model, default=True)
-    exclude_fn = _selector(exclude, "exclude", model, default=False)
+    # What the patterns leave out of the layers' paths.
+    models = policy_lib.model_names(model)
+    include_fn = _selector(include, "include", models, default=True)
+    exclude_fn = _selector(exclude, "exclude", models, default=False)
     if recipe is not None:
         recipe = recipes.get(recipe)
     recipes.check_min_gemm_size(min_gemm_size)
@@ -146,7 +148,7 @@ def convert(
         if not (include_fn(layer) and not exclude_fn(layer)):
             continue
         target = _target_policy(layer, policy)
-        if isinstance(target, policy_lib.FP8DTypePolicy) and target.excludes(layer, model):
+        if isinstance(target, policy_lib.FP8DTypePolicy) and target.excludes(layer, models):
             continue
         reason = None if layer.built else "it is not built (never called)"
         if reason is None:
@@ -406,7 +408,7 @@ def _check_policy(policy):
     return policy
 
 
-def _selector(spec, arg_name, model, default):
+def _selector(spec, arg_name, models, default):
     """`(layer) -> bool` for an `include`/`exclude` argument."""
     if spec is None:
         return lambda layer: default
@@ -421,7 +423,7 @@ def _selector(spec, arg_name, model, default):
                     f"Invalid regular expression in `{arg_name}`: {e}. "
                     f"Received: {arg_name}={spec!r}"
                 ) from None
-        return lambda layer: pattern.search(policy_lib.exclusion_path(layer, model)) is not None
+        return lambda layer: pattern.search(policy_lib.exclusion_path(layer, models)) is not None
     if isinstance(spec, (list, tuple, set, frozenset)):
         bad = [item for item in spec if not isinstance(item, str)]
         if bad:
@@ -431,7 +433,7 @@ def _selector(spec, arg_name, model, default):
             )
         names = set(spec)
         return lambda layer: bool(
-            {layer.name, layer.path, policy_lib.exclusion_path(layer, model)} & names
+            {layer.name, layer.path, policy_lib.exclusion_path(layer, models)} & names
         )
     if callable(spec):
         return lambda layer: bool(spec(layer))

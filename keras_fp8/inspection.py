@@ -27,11 +27,12 @@ def excluded_layers(model):
         in the layer's path below `model` (`keras_fp8.policy.exclusion_path`).
     """
     found = []
+    models = policy_lib.model_names(model)
     for layer in compat.sublayers(model):
         if type(layer) not in swap.PLAIN_CLASSES:
             continue
         policy = policy_lib.layer_policy(layer)
-        if isinstance(policy, policy_lib.FP8DTypePolicy) and policy.excludes(layer, model):
+        if isinstance(policy, policy_lib.FP8DTypePolicy) and policy.excludes(layer, models):
             found.append((layer, policy.exclude))
     return found
 

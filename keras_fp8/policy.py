@@ -259,7 +259,13 @@ def compile_exclusion(pattern, arg_name):
     return compiled
 
 
-def exclusion_path(layer, model=None):
+def model_names(model):
+    """The names of the models in `model` (itself included): what
+    `exclusion_path` leaves out of the paths of its layers."""
+    return {layer.name for layer in compat.sublayers(model) if isinstance(layer, keras.Model)}
+
+
+def exclusion_path(layer, models=None):
     """The text an `exclude` pattern is searched in (`re.search`): the
     layer's path below its model.
 
@@ -275,9 +281,10 @@ def exclusion_path(layer, model=None):
 
     Args:
         layer: The layer.
-        model: The model `layer` is looked at in (`keras_fp8.convert`,
-            `keras_fp8.summary`); None while `layer` builds, when the models
-            whose name scopes are open are its models.
+        models: The names of the models `layer` is looked at in
+            (`model_names(model)`: `keras_fp8.convert`, `keras_fp8.summary`);
+            None while `layer` builds, when they are the models whose name
+            scopes are open.
 
     Returns:
         The path below the model (the layer's name when it has no path).
@@ -286,10 +293,8 @@ def exclusion_path(layer, model=None):
     root, sep, rest = path.partition("/")
     if not sep:
         return path
-    if model is None:
+    if models is None:
         models = compat.open_model_scopes()
-    else:
-        models = {l.name for l in compat.sublayers(model) if isinstance(l, keras.Model)}
     return rest if root in models else path
 
 
@@ -417,12 +422,12 @@ class FP8DTypePolicy(keras.DTypePolicy):
         that stay plain under this policy (None: none)."""
         return self._exclude
 
-    def excludes(self, layer, model=None):
+    def excludes(self, layer, models=None):
         """Whether `exclude` matches `layer`: searched (`re.search`) in its
-        path below its model (`exclusion_path(layer, model)`)."""
+        path below its model (`exclusion_path(layer, models)`)."""
         if self._exclude_pattern is None:
             return False
-        return self._exclude_pattern.search(exclusion_path(layer, model)) is not None
+        return self._exclude_pattern.search(exclusion_path(layer, models)) is not None
 
     @property
     def fp8_format(self):

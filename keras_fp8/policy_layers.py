@@ -87,24 +87,13 @@ def load_own_variables(layer, store, keras_load):
     return keras_load(layer, store)
 
 
-def check_layer_quantize(layer, mode):
-    """Raises before Keras's `layer.quantize(mode)` changes anything when
-    `layer` is an FP8 layer or runs under an FP8 policy (an `Embedding`, a
-    `Dense` an `exclude` kept plain, a `Dense` subclass: Keras would replace
-    its kernel before failing on the policy name)."""
-    if compat.sublayers(layer, include_self=False):
-        # A model (Keras checks it first, then quantizes its layers one by
-        # one) or a composite layer: check the layers it holds.
-        return check_quantize(layer, mode)
-    if isinstance(layer, swap.FP8_CLASSES) or isinstance(
-        policy_lib.layer_policy(layer), policy_lib.FP8DTypePolicy
-    ):
-        raise fp8_state.quantize_error([layer], mode)
-
-
 def check_quantize(model, mode):
-    """Raises before Keras's `model.quantize(mode)` changes anything when
-    `model` holds FP8 layers or layers under FP8 policies."""
+    """Raises before Keras's `quantize(mode)` of `model` (a model or a single
+    layer) changes anything when `model` is or holds FP8 layers or layers
+    with weights under FP8 policies (an `Embedding`, a `Dense` that
+    `exclude` keeps plain, a `Dense` subclass: Keras would replace the
+    kernel, then fail on the policy name). Layers without weights have
+    nothing to quantize (Keras's `model.quantize` skips them)."""
     # FP8 layers, and layers with weights of their own under FP8 policies
     # (Keras would quantize them from a policy name it cannot parse).
     fp8 = [
@@ -123,7 +112,7 @@ def register():
     """Installs the hooks (idempotent; done at `import keras_fp8`:
     `keras_fp8/compat.py`, patches 4 to 6)."""
     compat.hook_dense_layers(build, load_own_variables)
-    compat.check_before_quantize(check_quantize, check_layer_quantize)
+    compat.check_before_quantize(check_quantize)
     compat.name_in_weight_files_as(
         {fp8.__name__: plain.__name__ for fp8, plain in swap.PLAIN_CLASS.items()}
     )

@@ -473,10 +473,11 @@ class FP8StateMixin:
             self.lora_kernel_b.assign(ops.zeros(self.lora_kernel_b.shape))
 
     def _check_loaded_fp8_state(self, values):
-        """Raises, naming the variable, for FP8 state no training run leaves:
-        a scale that is not finite and positive, or an amax history or
-        gradient channel entry that is not finite (histories: not finite and
-        non-negative). Such a scale turns every output NaN (or infinite)."""
+        """Raises, naming the variable, for FP8 state that no training run
+        leaves (docs/numerics.md, "State invariants"): a scale that is not
+        finite and positive (it would turn every output NaN or infinite), an
+        amax history entry that is not finite and non-negative, a gradient
+        channel entry that is not finite."""
         for name, value in zip(STATE_VARIABLE_NAMES, values):
             array = np.asarray(_to_numpy(value), dtype=np.float64).reshape(-1)
             if name.endswith("_scale"):
