@@ -16,9 +16,10 @@ keras_fp8.unconvert(model)                  # plain Dense/EinsumDense again
 
 Each converted layer keeps its identity (the same Python object, the same
 kernel and bias variables, name and path): its class becomes `FP8Dense` /
-`FP8EinsumDense` and it gains the FP8 state variables. Under a non-FP8 policy
-(or inside `keras_fp8.autocast(enabled=False)`) it computes exactly what it
-computed before.
+`FP8EinsumDense` and it gains the FP8 state variables. With FP8 off (inside
+`keras_fp8.autocast(enabled=False)`, or converted with a non-FP8 `policy=`)
+it computes exactly what the plain layer computes under its policy: with
+`policy=` its old policy (e.g. `"float32"`), what it computed before.
 
 When FP8 is on after converting: a layer's dtype policy is fixed at
 construction, so `set_global_policy("fp8_hybrid")` after building the model

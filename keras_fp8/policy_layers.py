@@ -8,7 +8,8 @@ layer (`FP8Dense` / `FP8EinsumDense`) at the start of its `build`: the same
 object, the same kernel and bias, plus the FP8 state, running exactly the FP8
 layers' code. Exceptions, which build as plain layers:
 
-- layers the policy's `exclude` matches (no warning: asked for);
+- layers the policy's `exclude` matches in their path below the model (no
+  warning: asked for; `keras_fp8.summary` lists them);
 - with a one-time warning naming the layer: a subclass of `Dense` /
   `EinsumDense` (its own methods would be lost), LoRA at build
   (`lora_rank=`), a Keras-quantized layer, and an equation `FP8EinsumDense`
