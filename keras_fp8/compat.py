@@ -18,25 +18,31 @@ The patches:
 3. `Trainer.compile`: Keras wraps the optimizer in a `LossScaleOptimizer` only
    for the policy named exactly `"mixed_float16"`; the FP8 float16 policies
    need keras-fp8's wrapper, whatever made the model FP8.
-4. `Dense.build` / `EinsumDense.build`, their `load_own_variables` and their
-   `quantize`: an FP8 policy must make Keras's own projection layers FP8
-   (model zoos build theirs from these classes), their plain form must read
-   an FP8 checkpoint, and a layer that became FP8 must refuse Keras's
-   quantization clearly (Keras binds `quantize` per instance when the layer
-   is created, so the FP8 class's own refusal never runs for it). Keras's
-   quantization hook (`quantization_mode`, `quantized_build`,
-   `quantized_call`) cannot carry it: a policy whose
+4. `Dense.build` / `EinsumDense.build` and their `load_own_variables`: an
+   FP8 policy must make Keras's own projection layers FP8 (model zoos build
+   theirs from these classes), and their plain form must read an FP8
+   checkpoint. Keras's quantization hook (`quantization_mode`,
+   `quantized_build`, `quantized_call`) cannot carry it: a policy whose
    `quantization_mode` is set sends every layer under it (LayerNormalization,
    Embedding, ...) to `quantized_call`, the modes are a closed list
    (`QUANTIZATION_MODES`) checked throughout Keras, and Keras's setter of a
    quantized policy calls `quantize()` on built layers. The build hook makes
    the layer an instance of the FP8 class instead (`keras_fp8/layers/swap.py`),
    so the FP8 layers' own code runs (`keras_fp8/policy_layers.py`).
-5. `Model.quantize`: Keras's quantization cannot take FP8 layers or layers
-   under FP8 policies (it builds `"int8_from_<policy name>"`, which it cannot
-   parse for an FP8 name, or skips FP8 layers with a warning), and it
-   quantizes layer by layer, so an error at the first FP8 layer would leave a
-   half-quantized model: the check runs before anything changes.
+5. `Model.quantize` and the check every `layer.quantize` makes first
+   (`Layer._check_quantize_args`): Keras's quantization cannot take FP8
+   layers or layers under FP8 policies (it builds `"int8_from_<policy
+   name>"`, which it cannot parse for an FP8 name, or skips FP8 layers with
+   a warning), and it changes a layer before that fails: `model.quantize`
+   quantizes layer by layer, so an error at the first FP8 layer would leave
+   a half-quantized model, and a layer's `quantize` (an `Embedding`, or a
+   `Dense` kept plain, under an FP8 policy) replaces the kernel with int8
+   before Keras fails on the policy name. Both checks run before anything
+   changes. The layer's check is Keras's own argument check, which Keras's
+   per-instance `quantize` wrapper runs first for every layer class (it
+   binds the class's `quantize` when the layer is created, so patching the
+   classes' `quantize` would miss layers created before `import keras_fp8`
+   and classes patched nowhere, such as `Embedding`).
 6. The names weight files give layers held in lists (the layers of a
    Functional or Sequential model): Keras derives them from the class name
    (`layers/dense`, `layers/fp8_dense`), so the plain and the FP8 form of the
@@ -142,23 +148,22 @@ def wrap_compile_optimizer(wrap):
 
 
 _KERAS_DENSE_METHODS = {
-    cls: (cls.build, cls.load_own_variables, cls.quantize)
+    cls: (cls.build, cls.load_own_variables)
     for cls in (keras.layers.Dense, keras.layers.EinsumDense)
 }
 
 
-def hook_dense_layers(build_hook, load_hook, quantize_hook):
+def hook_dense_layers(build_hook, load_hook):
     """Patch 4: on `Dense` and `EinsumDense`, `build(input_shape)` becomes
-    `build_hook(layer, input_shape, keras_build)`, `load_own_variables(store)`
-    becomes `load_hook(layer, store, keras_load)`, and `quantize(...)` first
-    calls `quantize_hook(layer, mode)`, which may raise.
+    `build_hook(layer, input_shape, keras_build)` and
+    `load_own_variables(store)` becomes `load_hook(layer, store, keras_load)`.
 
-    Keras's `Layer.__new__` wraps the `build` and `quantize` an instance has
-    when it is created, so layers created after the patch get them.
+    Keras's `Layer.__new__` wraps the `build` an instance has when it is
+    created, so layers created after the patch get it.
     """
-    for cls, (keras_build, keras_load, keras_quantize) in _KERAS_DENSE_METHODS.items():
+    for cls, (keras_build, keras_load) in _KERAS_DENSE_METHODS.items():
 
-        def make(keras_build=keras_build, keras_load=keras_load, keras_quantize=keras_quantize):
+        def make(keras_build=keras_build, keras_load=keras_load):
             # `functools.wraps` keeps `build`'s signature: Keras's build
             # wrapper binds its arguments to record the build config.
             @functools.wraps(keras_build)
@@ -169,29 +174,32 @@ def hook_dense_layers(build_hook, load_hook, quantize_hook):
             def load_own_variables(self, store):
                 return load_hook(self, store, keras_load)
 
-            @functools.wraps(keras_quantize)
-            def quantize(self, mode=None, type_check=True, config=None):
-                quantize_hook(self, mode)
-                return keras_quantize(self, mode, type_check=type_check, config=config)
+            return build, load_own_variables
 
-            return build, load_own_variables, quantize
-
-        cls.build, cls.load_own_variables, cls.quantize = make()
+        cls.build, cls.load_own_variables = make()
 
 
 _keras_model_quantize = keras.Model.quantize
+_keras_check_quantize_args = keras.layers.Layer._check_quantize_args
 
 
 def check_before_quantize(check):
-    """Patch 5: `Model.quantize(mode, ...)` first calls `check(model, mode)`,
-    which may raise."""
+    """Patch 5: `Model.quantize(mode, ...)` and every layer's `quantize(mode,
+    ...)` first call `check(model_or_layer, mode)` (a layer's before Keras's
+    own argument check), which may raise."""
 
     @functools.wraps(_keras_model_quantize)
     def quantize(self, mode=None, config=None, filters=None, **kwargs):
         check(self, mode)
         return _keras_model_quantize(self, mode, config=config, filters=filters, **kwargs)
 
+    @functools.wraps(_keras_check_quantize_args)
+    def check_quantize_args(self, mode, compute_dtype):
+        check(self, mode)
+        return _keras_check_quantize_args(self, mode, compute_dtype)
+
     keras.Model.quantize = quantize
+    keras.layers.Layer._check_quantize_args = check_quantize_args
 
 
 class _CheckpointNaming:
@@ -231,6 +239,33 @@ def stored_value(variable):
 def in_stateless_scope():
     """Whether a Keras stateless scope (e.g. `stateless_call`) is active."""
     return _in_stateless_scope()
+
+
+def traced():
+    """Whether the code running is being traced into a compiled program
+    rather than run: inside a Keras stateless scope (where Keras's JAX
+    trainers and `stateless_call` run layers) or under `torch.compile`.
+    Python-side effects there (a lock taken, say) happen once at tracing,
+    not at each run of the program; under `torch.compile` some break the
+    graph."""
+    # torch.compile first: it answers True as a constant while tracing.
+    return _torch_compiling() or _in_stateless_scope()
+
+
+if keras.backend.backend() == "torch":
+    from torch.compiler import is_compiling as _torch_compiling
+else:
+
+    def _torch_compiling():
+        return False
+
+
+def open_model_scopes():
+    """The names of the models whose name scopes are open now: the
+    subclassed models and `Sequential`s building their layers (a layer's
+    path starts with them)."""
+    stack = _global_state.get_global_attribute("name_scope_stack") or []
+    return {entry.name for entry in stack if isinstance(entry.caller, keras.Model)}
 
 
 def autocast_scope(dtype):

@@ -16,17 +16,20 @@ keras_fp8.unconvert(model)                  # plain Dense/EinsumDense again
 
 Each converted layer keeps its identity (the same Python object, the same
 kernel and bias variables, name and path): its class becomes `FP8Dense` /
-`FP8EinsumDense` and it gains the FP8 state variables. Under a non-FP8 policy
-(or inside `keras_fp8.autocast(enabled=False)`) it computes exactly what it
-computed before.
+`FP8EinsumDense` and it gains the FP8 state variables. With FP8 off (inside
+`keras_fp8.autocast(enabled=False)`, or converted with a non-FP8 `policy=`)
+it computes exactly what the plain layer computes under its policy: with
+`policy=` its old policy (e.g. `"float32"`), what it computed before.
 
 When FP8 is on after converting: a layer's dtype policy is fixed at
 construction, so `set_global_policy("fp8_hybrid")` after building the model
-does not reach its layers. FP8 runs where the converted layer's own policy is
-an FP8 policy (pass `policy="fp8_hybrid"` to `convert`, which also makes the
-converted layers compute in bfloat16), or inside `keras_fp8.autocast(...)`.
+does not reach its layers. `convert` therefore gives each converted layer an
+FP8 policy: `policy=`, by default `"fp8_hybrid"` (its own policy where that
+is an FP8 policy already), which also makes the converted layers compute in
+bfloat16. A non-FP8 `policy=` (e.g. `"float32"`) converts without turning
+FP8 on: the layers then run FP8 only inside `keras_fp8.autocast(...)`.
 
-Saving: with `policy=` an FP8 policy, `model.save` / `keras.models.load_model`
+Saving: with an FP8 policy (the default), `model.save` / `keras.models.load_model`
 bring the model back FP8 with its state. Sequential and Functional models
 serialize their own layers' FP8 classes and policies; layers that their
 parent's code creates (keras_hub backbones and tasks, `MultiHeadAttention`'s
@@ -74,10 +77,14 @@ def convert(
     Compile the model after converting (an optimizer or a compiled train
     function built before does not know the new variables).
 
+    Each converted layer gets an FP8 policy, so that it runs FP8: `policy`,
+    by default `"fp8_hybrid"` (bfloat16 compute, E4M3 forward, E5M2
+    gradients), or its own policy where that is an FP8 policy already.
+
     Layers that are left alone:
     - FP8 layers (already converted);
     - layers that the `exclude` of their FP8 policy (`policy`, else their
-      own) matches (no warning);
+      own) matches (no warning; `keras_fp8.summary` lists them);
     - with a warning: a layer with LoRA enabled or a quantized layer
       (`quantization_mode` set: int8, float8, ...), since FP8 layers support
       neither; a strict subclass of `Dense`/`EinsumDense` (its own `call`
@@ -87,21 +94,26 @@ def convert(
     Args:
         model: A built `keras.Model` or `keras.layers.Layer`.
         include: Which candidate layers to convert (default: all). A callable
-            `(layer) -> bool`, a regular expression searched in the layer's
-            path and in its name, or a list/tuple/set of layer names or paths.
+            `(layer) -> bool`, a regular expression searched (`re.search`)
+            in the layer's path below `model` (`model`'s own name left out:
+            `block/up` for the path `net/block/up` of the subclassed model
+            `net`; see `keras_fp8.policy.exclusion_path`), or a
+            list/tuple/set of layer names or paths (full or below `model`).
         exclude: Candidate layers to skip, in the same forms as `include`;
             e.g. `exclude="head"` keeps a final `head` classifier as it is.
-            Applied after `include`.
+            Applied after `include`. A regular expression that matches the
+            empty string (`"head|"`, `"x*"`: every layer) is refused.
         recipe: Optional `keras_fp8.DelayedScaling` / `CurrentScaling` (or its
             name) set as each converted layer's `recipe` (None: the policy's).
         min_gemm_size: Optional `min_gemm_size` of each converted layer.
-        policy: Optional dtype policy (name or policy) for the converted
-            layers, e.g. `"fp8_hybrid"`; None keeps each layer's own policy.
-            The converted layers run in FP8 only when their policy is an FP8
-            policy or inside an enabled `keras_fp8.autocast` scope. An FP8
-            policy is also recorded where the model's layers rebuild their
-            sublayers from (see the module docstring), so that `.keras`
-            files reload FP8.
+        policy: Dtype policy (name or policy) for the converted layers.
+            None (the default): `"fp8_hybrid"`, except for a layer whose own
+            policy is an FP8 policy already, which keeps it. A non-FP8 policy
+            (e.g. `"float32"`) converts without turning FP8 on: the layers
+            then compute as under that policy, and in FP8 only inside an
+            enabled `keras_fp8.autocast` scope. The FP8 policies are also
+            recorded where the model's layers rebuild their sublayers from
+            (see the module docstring), so that `.keras` files reload FP8.
 
     Returns:
         The paths (`layer.path`) of the converted layers, in traversal order.
@@ -113,8 +125,10 @@ def convert(
             `recipe`, `min_gemm_size` or `policy` is invalid.
     """
     _check_model(model)
-    include_fn = _selector(include, "include", default=True)
-    exclude_fn = _selector(exclude, "exclude", default=False)
+    # What the patterns leave out of the layers' paths.
+    models = policy_lib.model_names(model)
+    include_fn = _selector(include, "include", models, default=True)
+    exclude_fn = _selector(exclude, "exclude", models, default=False)
     if recipe is not None:
         recipe = recipes.get(recipe)
     recipes.check_min_gemm_size(min_gemm_size)
@@ -134,7 +148,8 @@ def convert(
             continue
         if not (include_fn(layer) and not exclude_fn(layer)):
             continue
-        if _excluded_by_policy(layer, policy):
+        target = _target_policy(layer, policy)
+        if isinstance(target, policy_lib.FP8DTypePolicy) and target.excludes(layer, models):
             continue
         reason = None if layer.built else "it is not built (never called)"
         if reason is None:
@@ -142,14 +157,15 @@ def convert(
         if reason is not None:
             _warn_skip(layer, reason)
             continue
-        plan.append(layer)
+        plan.append((layer, target))
 
     converted = []
-    for layer in plan:
-        _convert_layer(layer, recipe, min_gemm_size, policy)
+    for layer, target in plan:
+        _convert_layer(layer, recipe, min_gemm_size, target)
         converted.append(layer.path or layer.name)
-    if plan and isinstance(policy, policy_lib.FP8DTypePolicy):
-        _record_in_policy_maps(model, plan, policy)
+    fp8 = [(layer, target) for layer, target in plan if isinstance(target, policy_lib.FP8DTypePolicy)]
+    if fp8:
+        _record_in_policy_maps(model, fp8)
     if converted:
         _retrack_torch_parameters(model)
         _reset_compiled_functions(model, "convert", "the new FP8 state variables")
@@ -223,11 +239,19 @@ def unconvert(model, *, policy=None):
     return unconverted
 
 
-def _excluded_by_policy(layer, policy):
-    """Whether the FP8 policy the layer would run under (`policy`, else its
-    own) excludes it."""
-    policy = policy if policy is not None else policy_lib.layer_policy(layer)
-    return isinstance(policy, policy_lib.FP8DTypePolicy) and policy.excludes(layer)
+# The policy of converted layers when `convert` is given none.
+DEFAULT_POLICY = "fp8_hybrid"
+
+
+def _target_policy(layer, policy):
+    """The policy `layer` gets when converted: `policy`, else its own where
+    that is an FP8 policy, else `DEFAULT_POLICY`."""
+    if policy is not None:
+        return policy
+    own = policy_lib.layer_policy(layer)
+    if isinstance(own, policy_lib.FP8DTypePolicy):
+        return own
+    return policy_lib.FP8DTypePolicy(DEFAULT_POLICY)
 
 
 def _without_fp8(policy, replacement):
@@ -254,28 +278,29 @@ def _without_fp8(policy, replacement):
     return keras.dtype_policies.DTypePolicyMap(default_policy=default, policy_map=entries)
 
 
-def _record_in_policy_maps(model, converted_layers, policy):
-    """Records `path -> policy` of the converted layers in a `DTypePolicyMap`
-    on every layer of `model` that holds sublayers.
+def _record_in_policy_maps(model, converted):
+    """Records `path -> policy` of the converted layers (`(layer, policy)`
+    pairs) in a `DTypePolicyMap` on every layer of `model` that holds
+    sublayers.
 
     Layers that create their sublayers in their own code pass their dtype
     policy on to them (keras_hub backbones pass theirs to every block and to
     a task's head, `MultiHeadAttention` to its projections), and a sublayer
     under a `DTypePolicyMap` takes the entry of its path: reloaded, the
-    converted layers build under `policy`, hence FP8. The map's default is
-    the layer's own policy, so nothing else changes.
+    converted layers build under their policy, hence FP8. The map's default
+    is the layer's own policy, so nothing else changes.
 
     Each path is recorded as it is and without the model's name in front: a
     subclassed model called on data builds its layers inside its own name
     (`net/block/up`), but rebuilt from a file, outside it (`block/up`).
     """
-    entries = set()
+    entries = {}
     prefix = model.name + "/"
-    for layer in converted_layers:
+    for layer, policy in converted:
         if layer.path:
-            entries.add(layer.path)
+            entries[layer.path] = policy
             if layer.path.startswith(prefix):
-                entries.add(layer.path[len(prefix):])
+                entries[layer.path[len(prefix):]] = policy
     for holder in compat.sublayers(model):
         if isinstance(holder, swap.FP8_CLASSES) or not compat.sublayers(holder, include_self=False):
             continue
@@ -290,7 +315,7 @@ def _record_in_policy_maps(model, converted_layers, policy):
         for path in sorted(entries):
             if path in policy_map:
                 del policy_map[path]
-            policy_map[path] = policy
+            policy_map[path] = entries[path]
 
 
 def _check_model(model):
@@ -343,7 +368,7 @@ def _convert_layer(layer, recipe, min_gemm_size, policy):
     swap.to_fp8(layer, recipe, min_gemm_size)
     if einsum:
         layer._plan = MatmulPlan(layer.equation, _input_ndim(layer))
-    if policy is not None:
+    if policy is not policy_lib.layer_policy(layer):
         # Before the state: its history length comes from the policy's recipe.
         layer.dtype_policy = policy
     # The layer's own name scope (with its recorded parent path) gives the
@@ -384,21 +409,22 @@ def _check_policy(policy):
     return policy
 
 
-def _selector(spec, arg_name, default):
+def _selector(spec, arg_name, models, default):
     """`(layer) -> bool` for an `include`/`exclude` argument."""
     if spec is None:
         return lambda layer: default
     if isinstance(spec, str):
-        try:
-            pattern = re.compile(spec)
-        except re.error as e:
-            raise ValueError(
-                f"Invalid regular expression in `{arg_name}`: {e}. "
-                f"Received: {arg_name}={spec!r}"
-            ) from None
-        return lambda layer: bool(
-            pattern.search(layer.path or "") or pattern.search(layer.name)
-        )
+        if arg_name == "exclude":
+            pattern = policy_lib.compile_exclusion(spec, arg_name)
+        else:
+            try:
+                pattern = re.compile(spec)
+            except re.error as e:
+                raise ValueError(
+                    f"Invalid regular expression in `{arg_name}`: {e}. "
+                    f"Received: {arg_name}={spec!r}"
+                ) from None
+        return lambda layer: pattern.search(policy_lib.exclusion_path(layer, models)) is not None
     if isinstance(spec, (list, tuple, set, frozenset)):
         bad = [item for item in spec if not isinstance(item, str)]
         if bad:
@@ -407,7 +433,9 @@ def _selector(spec, arg_name, default):
                 f"paths (strings). Received: {arg_name}={spec!r}"
             )
         names = set(spec)
-        return lambda layer: layer.name in names or layer.path in names
+        return lambda layer: bool(
+            {layer.name, layer.path, policy_lib.exclusion_path(layer, models)} & names
+        )
     if callable(spec):
         return lambda layer: bool(spec(layer))
     raise TypeError(

@@ -1,9 +1,11 @@
-"""Looking at a model's FP8 layers: `fp8_layers`, `summary`."""
+"""Looking at a model's FP8 layers: `fp8_layers`, `excluded_layers`, `summary`."""
 
 from keras import ops
 
 from keras_fp8 import compat
+from keras_fp8 import policy as policy_lib
 from keras_fp8 import recipes
+from keras_fp8.layers import swap
 from keras_fp8.layers.fp8_state import ROLES
 from keras_fp8.layers.fp8_state import FP8StateMixin
 
@@ -12,6 +14,27 @@ def fp8_layers(model):
     """The FP8 layers (`FP8Dense`, `FP8EinsumDense`) in `model`, nested
     ones included, in Keras's layer order; `model` itself if it is one."""
     return [layer for layer in compat.sublayers(model) if isinstance(layer, FP8StateMixin)]
+
+
+def excluded_layers(model):
+    """The `Dense`/`EinsumDense` layers of `model` that an FP8 policy's
+    `exclude` pattern keeps plain.
+
+    Returns:
+        `(layer, pattern)` pairs in Keras's layer order: each plain layer
+        (exactly `keras.layers.Dense` / `EinsumDense`) under an FP8 policy
+        whose `exclude` matches it, with that pattern. The pattern is searched
+        in the layer's path below `model` (`keras_fp8.policy.exclusion_path`).
+    """
+    found = []
+    models = policy_lib.model_names(model)
+    for layer in compat.sublayers(model):
+        if type(layer) not in swap.PLAIN_CLASSES:
+            continue
+        policy = policy_lib.layer_policy(layer)
+        if isinstance(policy, policy_lib.FP8DTypePolicy) and policy.excludes(layer, models):
+            found.append((layer, policy.exclude))
+    return found
 
 
 def layer_names(layers):
@@ -52,7 +75,9 @@ def summary(model, print_fn=None):
     Per layer: its recipe (the one its next call uses), its kernel shape, the
     `M x K x N` GEMM of its last call, whether that call ran FP8 or the
     compute dtype (below `min_gemm_size`, or FP8 off under the layer's
-    policy), the `min_gemm_size` in force, and its current scales.
+    policy), the `min_gemm_size` in force, and its current scales. Then the
+    `Dense`/`EinsumDense` layers that an FP8 policy's `exclude` pattern kept
+    plain, each with the pattern (`excluded_layers`).
 
     Args:
         model: A Keras model or layer.
@@ -82,4 +107,10 @@ def summary(model, print_fn=None):
         text = f"{model.name}: no FP8 layers."
     else:
         text = f"FP8 layers of {model.name!r}\n" + _format_table(header, rows)
+    excluded = excluded_layers(model)
+    if excluded:
+        names = layer_names([layer for layer, _ in excluded])
+        text += f"\nKept plain by an `exclude` pattern ({len(excluded)}):\n" + "\n".join(
+            f"  {name}  (exclude={pattern!r})" for name, (_, pattern) in zip(names, excluded)
+        )
     (print_fn or print)(text)

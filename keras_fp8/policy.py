@@ -23,6 +23,8 @@ Non-default settings are part of the policy name, e.g.
 because Keras rebuilds a deserialized policy from its name alone.
 """
 
+import dataclasses
+import difflib
 import re
 
 import keras
@@ -80,6 +82,39 @@ def _parse_value(key, text):
     return text
 
 
+# Settings every policy name takes besides its recipe's fields.
+_POLICY_KEYS = ("scaling", "min_gemm_size", "exclude")
+
+
+def _recipe_keys(recipe_class):
+    """The settings of `recipe_class` a policy name may hold (its fields
+    but `fp8_format`, which the base name gives)."""
+    return [f.name for f in dataclasses.fields(recipe_class) if f.name != "fp8_format"]
+
+
+def _check_setting_keys(name, scaling, keys):
+    """Raises for a key in `keys` that the policy name's `scaling` does not
+    take, listing the keys it does take."""
+    valid = list(_POLICY_KEYS) + _recipe_keys(recipes.RECIPES[scaling])
+    for key in keys:
+        if key in valid:
+            continue
+        if key == "fp8_format":
+            hint = (
+                " The format comes from the base name: 'fp8_hybrid' (E4M3 "
+                "forward, E5M2 gradients) or 'fp8_e4m3'."
+            )
+        elif any(key in _recipe_keys(cls) for cls in recipes.RECIPES.values()):
+            hint = f" {key!r} does not apply to scaling={scaling!r}."
+        else:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"Unknown setting {key!r} in FP8 dtype policy name {name!r}.{hint} "
+            f"Valid settings with scaling={scaling!r}: {', '.join(valid)}."
+        )
+
+
 def _decode_name(name):
     """Splits `"fp8_hybrid[history_len=16]"` into its base and its recipe."""
     base, _, settings = name.partition("[")
@@ -91,7 +126,7 @@ def _decode_name(name):
             "such as '[history_len=16,margin=1.0]'."
         )
     fp8_format = POLICY_NAMES[base][1]
-    kwargs = {}
+    texts = {}
     scaling = "delayed"
     min_gemm_size = None
     exclude = None
@@ -132,18 +167,23 @@ def _decode_name(name):
             if key == "exclude":
                 exclude = check_exclude(text.strip())
                 continue
-            try:
-                kwargs[key] = _parse_value(key, text.strip())
-            except ValueError:
-                raise ValueError(
-                    f"Invalid value {text!r} for {key!r} in FP8 dtype policy "
-                    f"name {name!r}."
-                ) from None
+            texts[key] = text
     if scaling not in recipes.RECIPES:
         raise ValueError(
             f"Invalid scaling {scaling!r} in FP8 dtype policy name {name!r}. "
             f"Expected one of {sorted(recipes.RECIPES)}."
         )
+    # Checked once `scaling` is known: it may come after the recipe's keys.
+    _check_setting_keys(name, scaling, texts)
+    kwargs = {}
+    for key, text in texts.items():
+        try:
+            kwargs[key] = _parse_value(key, text.strip())
+        except ValueError:
+            raise ValueError(
+                f"Invalid value {text!r} for {key!r} in FP8 dtype policy "
+                f"name {name!r}."
+            ) from None
     try:
         recipe = recipes.RECIPES[scaling](fp8_format=fp8_format, **kwargs)
     except TypeError as e:
@@ -165,7 +205,8 @@ def check_exclude(exclude):
 
     Raises:
         ValueError: If it is not None or a non-empty string, holds one of the
-            name encoding's characters `,[]`, or is not a regular expression.
+            name encoding's characters `,[]`, is not a regular expression, or
+            matches the empty string.
     """
     if exclude is None:
         return None
@@ -182,14 +223,79 @@ def check_exclude(exclude):
             "settings; write alternatives with '|' (e.g. 'head|logits') and "
             "avoid character classes and {m,n} repeats."
         )
+    compile_exclusion(exclude, "exclude")
+    return exclude
+
+
+def compile_exclusion(pattern, arg_name):
+    """Compiles a regular expression naming layers to leave out.
+
+    Args:
+        pattern: The regular expression (a string).
+        arg_name: The argument's name in error messages.
+
+    Returns:
+        The compiled pattern.
+
+    Raises:
+        ValueError: If `pattern` is not a regular expression, or matches the
+            empty string: searched in every layer's path, such a pattern
+            (an empty alternative, `"logits|"`; `"x*"`) matches every layer.
+    """
     try:
-        re.compile(exclude)
+        compiled = re.compile(pattern)
     except re.error as e:
         raise ValueError(
-            f"Invalid `exclude`: not a regular expression ({e}). "
-            f"Received: exclude={exclude!r}"
+            f"Invalid `{arg_name}`: not a regular expression ({e}). "
+            f"Received: {arg_name}={pattern!r}"
         ) from None
-    return exclude
+    if compiled.search("") is not None:
+        raise ValueError(
+            f"Invalid `{arg_name}`: the pattern matches the empty string, so it "
+            "would match every layer (e.g. an empty alternative 'logits|', or "
+            "'x*'). Name the layers, e.g. 'logits' or 'head|logits' ('.+' "
+            f"names every layer). Received: {arg_name}={pattern!r}"
+        )
+    return compiled
+
+
+def model_names(model):
+    """The names of the models in `model` (itself included): what
+    `exclusion_path` leaves out of the paths of its layers."""
+    return {layer.name for layer in compat.sublayers(model) if isinstance(layer, keras.Model)}
+
+
+def exclusion_path(layer, models=None):
+    """The text an `exclude` pattern is searched in (`re.search`): the
+    layer's path below its model.
+
+    A layer's path starts with the layers it was built inside
+    (`my_net/block/up` for the layer `up` of the layer `block` of the
+    subclassed model `my_net`). When the outermost of them is a model (a
+    subclassed model called on data, a `Sequential`), its name is left
+    out (`block/up`): a pattern names layers within the model, and
+    `exclude="head"` does not match every layer of a model named
+    `multihead_net`. The names of the layers in between stay (`block`).
+    The layers of a Functional model (keras_hub's included) are built
+    outside it, so their paths hold no model name to begin with.
+
+    Args:
+        layer: The layer.
+        models: The names of the models `layer` is looked at in
+            (`model_names(model)`: `keras_fp8.convert`, `keras_fp8.summary`);
+            None while `layer` builds, when they are the models whose name
+            scopes are open.
+
+    Returns:
+        The path below the model (the layer's name when it has no path).
+    """
+    path = layer.path or layer.name
+    root, sep, rest = path.partition("/")
+    if not sep:
+        return path
+    if models is None:
+        models = compat.open_model_scopes()
+    return rest if root in models else path
 
 
 def layer_policy(layer):
@@ -227,12 +333,16 @@ class FP8DTypePolicy(keras.DTypePolicy):
             cannot win at small shapes) and leave their FP8 state alone.
             Encoded into the name as well.
         exclude: Optional regular expression: a `keras.layers.Dense` or
-            `keras.layers.EinsumDense` whose path or name it matches
-            (`re.search`) stays a plain layer under this policy (computing in
-            the compute dtype, as under `mixed_bfloat16`), e.g. `"logits"`
-            for a classifier head. It does not reach explicit `FP8Dense` /
-            `FP8EinsumDense` layers. Encoded into the name as well, so it
-            is saved with the model; it may not hold `,`, `[` or `]`.
+            `keras.layers.EinsumDense` whose path below its model it matches
+            (`re.search` in e.g. `block/up` for the path `my_net/block/up`
+            of a subclassed model `my_net`: the model's own name is left
+            out, see `exclusion_path`) stays a plain layer under this policy
+            (computing in the compute dtype, as under `mixed_bfloat16`),
+            e.g. `"logits"` for a classifier head. `keras_fp8.summary` lists
+            the layers it kept plain. It does not reach explicit `FP8Dense`
+            / `FP8EinsumDense` layers. Encoded into the name as well, so it
+            is saved with the model; it may not hold `,`, `[` or `]`, nor
+            match the empty string (`"logits|"`, `"x*"`: every layer).
 
     Example:
 
@@ -312,12 +422,12 @@ class FP8DTypePolicy(keras.DTypePolicy):
         that stay plain under this policy (None: none)."""
         return self._exclude
 
-    def excludes(self, layer):
-        """Whether `exclude` matches `layer`'s path or name."""
+    def excludes(self, layer, models=None):
+        """Whether `exclude` matches `layer`: searched (`re.search`) in its
+        path below its model (`exclusion_path(layer, models)`)."""
         if self._exclude_pattern is None:
             return False
-        search = self._exclude_pattern.search
-        return bool(search(layer.path or "") or search(layer.name))
+        return self._exclude_pattern.search(exclusion_path(layer, models)) is not None
 
     @property
     def fp8_format(self):

@@ -8,7 +8,8 @@ layer (`FP8Dense` / `FP8EinsumDense`) at the start of its `build`: the same
 object, the same kernel and bias, plus the FP8 state, running exactly the FP8
 layers' code. Exceptions, which build as plain layers:
 
-- layers the policy's `exclude` matches (no warning: asked for);
+- layers the policy's `exclude` matches in their path below the model (no
+  warning: asked for; `keras_fp8.summary` lists them);
 - with a one-time warning naming the layer: a subclass of `Dense` /
   `EinsumDense` (its own methods would be lost), LoRA at build
   (`lora_rank=`), a Keras-quantized layer, and an equation `FP8EinsumDense`
@@ -23,9 +24,9 @@ Weight files address an FP8 layer as its plain class (`layers/dense`, not
 `layers/fp8_dense`), so the plain and the FP8 form of a model read each
 other's `.weights.h5`.
 
-Keras's quantization (`model.quantize`, `layer.quantize`) refuses FP8 layers
-and layers under FP8 policies with a ValueError before it changes anything
-(`keras_fp8.unconvert` first). The hooks are installed by
+Keras's quantization (`model.quantize`, and `layer.quantize` on any layer)
+refuses FP8 layers and layers under FP8 policies with a ValueError before it
+changes anything (`keras_fp8.unconvert` first). The hooks are installed by
 `keras_fp8/compat.py` (patches 4 to 6).
 """
 
@@ -87,16 +88,13 @@ def load_own_variables(layer, store, keras_load):
     return keras_load(layer, store)
 
 
-def check_layer_quantize(layer, mode):
-    """Raises before Keras's `Dense.quantize` / `EinsumDense.quantize` runs
-    on a layer that is an FP8 layer now."""
-    if isinstance(layer, swap.FP8_CLASSES):
-        raise fp8_state.quantize_error([layer], mode)
-
-
 def check_quantize(model, mode):
-    """Raises before Keras's `model.quantize(mode)` changes anything when
-    `model` holds FP8 layers or layers under FP8 policies."""
+    """Raises before Keras's `quantize(mode)` of `model` (a model or a single
+    layer) changes anything when `model` is or holds FP8 layers or layers
+    with weights under FP8 policies (an `Embedding`, a `Dense` that
+    `exclude` keeps plain, a `Dense` subclass: Keras would replace the
+    kernel, then fail on the policy name). Layers without weights have
+    nothing to quantize (Keras's `model.quantize` skips them)."""
     # FP8 layers, and layers with weights of their own under FP8 policies
     # (Keras would quantize them from a policy name it cannot parse).
     fp8 = [
@@ -114,7 +112,7 @@ def check_quantize(model, mode):
 def register():
     """Installs the hooks (idempotent; done at `import keras_fp8`:
     `keras_fp8/compat.py`, patches 4 to 6)."""
-    compat.hook_dense_layers(build, load_own_variables, check_layer_quantize)
+    compat.hook_dense_layers(build, load_own_variables)
     compat.check_before_quantize(check_quantize)
     compat.name_in_weight_files_as(
         {fp8.__name__: plain.__name__ for fp8, plain in swap.PLAIN_CLASS.items()}

@@ -24,9 +24,13 @@ fold rescales the gradient history and scale by the same factor, so the next
 E5M2 gradient neither saturates nor underflows. Zero means "no loss scaling".
 """
 
+import contextlib
+import threading
 import warnings
 import weakref
 
+import keras
+import numpy as np
 from keras import ops
 from keras.saving import serialize_keras_object
 
@@ -62,7 +66,7 @@ warnings.filterwarnings("ignore", message=PENDING_ONLY_MISSING_GRADIENTS)
 _WARNED = weakref.WeakKeyDictionary()
 
 
-def warn_runs_without_fp8(layer, reason, what="runs"):
+def warn_runs_without_fp8(layer, reason, what="runs", runs_in=None):
     """Warns once per layer and reason that `layer` runs without FP8.
 
     Args:
@@ -70,6 +74,7 @@ def warn_runs_without_fp8(layer, reason, what="runs"):
         reason: Why, e.g. "LoRA is enabled".
         what: What the layer does instead, e.g. "runs" (this call) or "is
             built as a plain layer".
+        runs_in: The dtype it computes in (None: its compute dtype).
     """
     reasons = _WARNED.setdefault(layer, set())
     if reason in reasons:
@@ -78,9 +83,65 @@ def warn_runs_without_fp8(layer, reason, what="runs"):
     name = layer.path or layer.name
     warnings.warn(
         f"keras_fp8: layer '{name}' ({type(layer).__name__}) {what} in "
-        f"{layer.compute_dtype}, not in FP8: {reason}.",
+        f"{runs_in or layer.compute_dtype}, not in FP8: {reason}.",
         stacklevel=3,
     )
+
+
+def _plain_name(layer):
+    """The Keras class `layer`'s plain calls run (`Dense`, `EinsumDense`)."""
+    for cls in type(layer).__mro__:
+        if cls in (keras.layers.Dense, keras.layers.EinsumDense):
+            return cls.__name__
+    return type(layer).__name__
+
+
+def _plain_result_dtype(dtype, compute_dtype):
+    """The dtype the plain layer's call gives for inputs of `dtype` (its
+    matmul with the kernel in `compute_dtype`): e.g. complex64 for complex64
+    inputs, the compute dtype for integer ones."""
+    try:
+        return keras.backend.result_type(str(dtype), compute_dtype)
+    except Exception:  # a dtype Keras's promotion rules do not know
+        return compute_dtype
+
+
+# layer -> the lock its eager training calls hold across the read, update
+# and write-back of its FP8 state.
+_STATE_LOCKS = weakref.WeakKeyDictionary()
+_STATE_LOCKS_GUARD = threading.Lock()
+
+
+def _state_lock(layer, training):
+    """What a call of `layer` holds while it reads and updates the FP8 state.
+
+    A training call reads the histories and scales, computes, and writes them
+    back; two threads calling one layer at once would both read the same
+    history, and one call's amaxes would be lost. So an eager training call
+    holds the layer's lock across that (concurrent calls of one layer take
+    turns; different layers do not wait for each other). Inference calls
+    write nothing and take no lock. Under tracing (a compiled train step,
+    `torch.compile`) nothing is locked: the state update is part of the
+    compiled program, and a lock there would break a torch.compile graph.
+    (On torch, the eager call on the compiled kernels is one C++ call that
+    keeps the GIL until it has queued all its work, in order, on the
+    device.)
+    """
+    if not training or compat.traced():
+        return contextlib.nullcontext()
+    lock = _STATE_LOCKS.get(layer)
+    if lock is None:
+        with _STATE_LOCKS_GUARD:
+            lock = _STATE_LOCKS.setdefault(layer, threading.RLock())
+    return lock
+
+
+def _to_numpy(value):
+    """A checkpoint entry (an h5py dataset, an array, a tensor or a Keras
+    variable) as a NumPy array."""
+    if isinstance(value, keras.Variable) or ops.is_tensor(value):
+        return ops.convert_to_numpy(value)
+    return np.asarray(value)
 
 
 def quantize_error(layers, mode):
@@ -148,6 +209,26 @@ class FP8StateMixin:
     def _init_fp8(self, recipe, min_gemm_size):
         self.recipe = recipes.get(recipe) if recipe is not None else None
         self.min_gemm_size = recipes.check_min_gemm_size(min_gemm_size)
+        self._check_not_quantized(self.dtype_policy)
+
+    def _check_not_quantized(self, policy):
+        """Raises for a Keras quantized policy (`"int8_from_float32"`...):
+        Keras would build its quantized variables and call next to the FP8
+        state, and the outputs would be neither's."""
+        if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+            if not self.path:
+                return
+            policy = policy[self.path]
+        if policy.quantization_mode is not None:
+            raise ValueError(
+                f"Invalid `dtype` for the FP8 layer '{self.path or self.name}' "
+                f"({type(self).__name__}): a quantized dtype policy "
+                f"('{policy.name}', quantization_mode='{policy.quantization_mode}') "
+                "cannot be combined with FP8. Expected an FP8 policy (e.g. "
+                "'fp8_hybrid') or a float one ('float32', 'mixed_bfloat16'); for "
+                "Keras's quantization use a plain Dense/EinsumDense. "
+                f"Received: dtype={policy.name!r}"
+            )
 
     def _build_time_recipe(self):
         if self.recipe is not None:
@@ -163,6 +244,8 @@ class FP8StateMixin:
     def _build_fp8_state(self):
         """Creates the FP8 state variables (after the base layer's `build`,
         which has locked the layer's variable tracker)."""
+        # A DTypePolicyMap entry is known by path only now.
+        self._check_not_quantized(self.dtype_policy)
         # Replicated under any keras.distribution, whatever its LayoutMap
         # says: one scale per tensor (docs/numerics.md, "Many devices").
         with compat.unlocked_tracker(self), compat.replicated_variables():
@@ -305,7 +388,8 @@ class FP8StateMixin:
         Returns:
             `(M, N)` tensor in `x`'s dtype.
         """
-        y = backends.get().fp8_matmul(self, x, kernel, bias, recipe, bool(training))
+        with _state_lock(self, training):
+            y = backends.get().fp8_matmul(self, x, kernel, bias, recipe, bool(training))
         observer = self._gemm_observer
         return y if observer is None else observer(self, x, y)
 
@@ -354,8 +438,13 @@ class FP8StateMixin:
             return None
         dtype = ops.dtype(inputs) if hasattr(inputs, "dtype") else None
         if dtype is None or "float" not in str(dtype):
+            # Says what runs: the plain call's matmul, whose result type
+            # follows the inputs (complex64 for complex64 inputs).
             warn_runs_without_fp8(
-                self, f"FP8 needs floating-point inputs, and these are {dtype}"
+                self,
+                f"FP8 needs real floating-point inputs, and these are {dtype}",
+                what=f"runs as {_plain_name(self)}",
+                runs_in=_plain_result_dtype(dtype, self.compute_dtype),
             )
             return None
         return recipe
@@ -394,6 +483,9 @@ class FP8StateMixin:
                 f"{start + len(STATE_VARIABLE_NAMES)} variables, but received "
                 f"{count} variables during loading."
             )
+        if count != start:
+            # Before anything is assigned: a refused checkpoint changes nothing.
+            self._check_loaded_fp8_state([store[str(start + i)] for i in range(len(STATE_VARIABLE_NAMES))])
         self._kernel.assign(store["0"])
         if self.bias is not None:
             self.bias.assign(store["1"])
@@ -406,6 +498,36 @@ class FP8StateMixin:
             # As Keras's Dense: the saved kernel has the LoRA update merged.
             self.lora_kernel_a.assign(ops.zeros(self.lora_kernel_a.shape))
             self.lora_kernel_b.assign(ops.zeros(self.lora_kernel_b.shape))
+
+    def _check_loaded_fp8_state(self, values):
+        """Raises, naming the variable, for FP8 state that no training run
+        leaves (docs/numerics.md, "State invariants"): a scale that is not
+        finite and positive (it would turn every output NaN or infinite), an
+        amax history entry that is not finite and non-negative, a gradient
+        channel entry that is not finite."""
+        for name, value in zip(STATE_VARIABLE_NAMES, values):
+            array = np.asarray(_to_numpy(value), dtype=np.float64).reshape(-1)
+            if name.endswith("_scale"):
+                bad, expected = ~(np.isfinite(array) & (array > 0)), "a finite, positive scale"
+            elif name.endswith("_amax_history"):
+                bad, expected = ~(np.isfinite(array) & (array >= 0)), "finite, non-negative amaxes"
+            else:
+                bad, expected = ~np.isfinite(array), "finite values"
+            if bad.any():
+                index = int(np.argmax(bad))
+                where = f" at index {index}" if array.size > 1 else ""
+                raise ValueError(
+                    f"Invalid FP8 state in the checkpoint of layer "
+                    f"'{self.path or self.name}': variable "
+                    f"'{getattr(self, name).path}' holds {float(array[index])!r}{where}; "
+                    f"expected {expected}. The checkpoint is damaged (or was "
+                    "written after training diverged); loaded, every output "
+                    "of the layer would be NaN or wrong. Load an earlier "
+                    "checkpoint, or load this one into the plain model (built "
+                    "under a non-FP8 policy, it takes the kernels and biases "
+                    "and leaves the FP8 state out) and make that FP8 again "
+                    "(`keras_fp8.convert`), with a fresh FP8 state."
+                )
 
     def _reset_fp8_state(self):
         """Sets the FP8 state to a freshly built layer's (scales 1, the rest

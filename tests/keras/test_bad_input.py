@@ -23,11 +23,23 @@
 | leaving an `autocast` scope from another thread | RuntimeError; every other scope intact |
 | torch.compile steps, then eager steps, then a resume | the same state as all-eager training, still recording |
 | `convert(..., policy="fp8_hybrid_float16")` of a mixed_float16 or float32 model | `compile` uses keras_fp8's LossScaleOptimizer |
+| an `exclude` pattern matching the empty string (`"logits|"`, `"x*"`), in a policy or `convert` | ValueError naming `exclude`; nothing converted |
+| `exclude=head` on a model named `multihead_net` / `multihead_seq` | only the layer `head` stays plain (the model's name is not searched); `summary` lists it with the pattern |
+| 8 threads training one layer at once | every call's amaxes recorded (8N of 8N) |
+| a NaN, inf, zero or negative scale, a non-finite or negative history entry in a `.weights.h5` / `.keras` / `load_own_variables` store | ValueError naming the variable; the layer unchanged |
+| `layer.quantize("int8")` on an `Embedding`, an excluded `Dense`, a `Dense` subclass or an FP8 layer under an FP8 policy | ValueError naming `keras_fp8.unconvert`; nothing changed |
+| `FP8Dense` / `FP8EinsumDense` given a quantized policy (`"int8_from_float32"`, a `DTypePolicyMap` entry) | ValueError naming `dtype` |
+| `convert(model)` without `policy` | the layers run FP8 under `fp8_hybrid` |
+| a complex64 input | a warning saying the layer runs as `Dense` in complex64 |
+| a misspelled or misplaced key in a policy name (`histroy_len`) | ValueError listing the valid keys |
 """
 
+import re
 import subprocess
 import sys
 import threading
+import warnings
+import zipfile
 
 import keras
 import numpy as np
@@ -435,3 +447,245 @@ def test_convert_to_float16_fp8_gets_keras_fp8_loss_scaling(built_under):
     assert float(to_numpy(model.layers[0].grad_amax_pending)[2]) > 0.0
     model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse")
     assert isinstance(model.optimizer, keras_fp8.optimizers.LossScaleOptimizer)
+
+
+# --------------------------------------------------------------------------- 11. exclusion patterns
+@pytest.mark.parametrize("pattern", ["logits|", "x*", "(head)?", "^"])
+def test_exclude_matching_the_empty_string_is_refused(pattern):
+    with pytest.raises(ValueError, match=r"`exclude`.*matches the empty string.*every layer"):
+        keras_fp8.FP8DTypePolicy("fp8_hybrid", exclude=pattern)
+    with pytest.raises(ValueError, match=r"`exclude`.*empty string"):
+        keras.mixed_precision.set_global_policy(f"fp8_hybrid[exclude={pattern}]")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="logits")])
+    with pytest.raises(ValueError, match=r"`exclude`.*empty string"):
+        keras_fp8.convert(model, exclude=pattern)
+    assert type(model.layers[0]) is keras.layers.Dense  # nothing converted
+
+
+class _HeadNet(keras.Model):
+    """A subclassed model whose name contains the pattern `head`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(8, name="up")
+        self.head = keras.layers.Dense(3, name="head")
+
+    def call(self, x):
+        return self.head(self.up(x))
+
+
+def _head_models():
+    sequential = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, name="up"), keras.layers.Dense(3, name="head")],
+        name="multihead_seq",
+    )
+    net = _HeadNet(name="multihead_net")
+    net(rng_normal((2, 4), 0))
+    return sequential, net
+
+
+def test_exclude_matches_the_path_below_the_model():
+    """`exclude=head` keeps the layer `head` plain, not every layer of a model
+    whose name contains `head`; `keras_fp8.summary` lists what it kept plain."""
+    keras.mixed_precision.set_global_policy("fp8_hybrid[exclude=head]")
+    for model in _head_models():
+        up, head = model.get_layer("up"), model.get_layer("head")
+        assert up.path.startswith("multihead_")  # the path holds the model's name
+        assert isinstance(up, FP8Dense), model.name
+        assert type(head) is keras.layers.Dense, model.name
+        printed = []
+        keras_fp8.summary(model, print_fn=printed.append)
+        assert re.search(r"Kept plain by an `exclude` pattern \(1\):\n  head  \(exclude='head'\)", printed[0])
+        assert [(l.name, p) for l, p in keras_fp8.inspection.excluded_layers(model)] == [("head", "head")]
+    # The same rule in `convert`, for its `exclude` and the policy's.
+    keras.mixed_precision.set_global_policy("float32")
+    for model in _head_models():
+        assert sorted(keras_fp8.convert(model, exclude="head")) == [f"{model.name}/up"]
+    for model in _head_models():
+        converted = keras_fp8.convert(model, policy="fp8_hybrid[exclude=head]")
+        assert converted == [f"{model.name}/up"]
+
+
+# --------------------------------------------------------------------------- 12. one layer, many threads
+def test_concurrent_training_calls_record_every_amax():
+    """8 threads training one layer at once: every call's amaxes are recorded
+    (a lock around each eager call's state update)."""
+    threads, calls = 8, 4
+    layer = FP8Dense(8, dtype=f"fp8_hybrid[history_len={2 * threads * calls}]", min_gemm_size=0)
+    layer.build((None, 16))
+    # Each thread's input has its own amax, exact in bfloat16.
+    xs = [rng_normal((4, 16), i) for i in range(threads)]
+    xs = [x / np.abs(x).max() * ((i + 1) / 8) for i, x in enumerate(xs)]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(calls):
+                layer(xs[i], training=True)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    history = to_numpy(layer.input_amax_history)
+    assert np.count_nonzero(history) == threads * calls
+    expected = sorted([(i + 1) / 8 for i in range(threads)] * calls)
+    np.testing.assert_array_equal(np.sort(history[history > 0]), expected)
+    assert np.count_nonzero(to_numpy(layer.kernel_amax_history)) == threads * calls
+
+
+# --------------------------------------------------------------------------- 13. a damaged checkpoint
+@pytest.mark.parametrize(
+    "variable, index, value",
+    [("input_scale", None, np.nan), ("kernel_scale", None, 0.0), ("grad_scale", None, -1.0),
+     ("input_scale", None, np.inf), ("input_amax_history", 3, np.nan), ("grad_amax_history", 0, np.inf),
+     ("kernel_amax_history", 1, -2.0)],
+)
+@pytest.mark.parametrize("fmt", ["weights.h5", "keras"])
+def test_loading_a_damaged_fp8_state_names_the_variable(tmp_path, fmt, variable, index, value):
+    import h5py
+
+    model = _model()
+    model.fit(rng_normal((16, 16), 0), rng_normal((16, 8), 1), batch_size=16, epochs=1, verbose=0)
+    path = tmp_path / f"m.{fmt}"
+    model.save(path) if fmt == "keras" else model.save_weights(path)
+    h5 = path
+    if fmt == "keras":
+        with zipfile.ZipFile(path) as archive:
+            archive.extractall(tmp_path / "unzipped")
+        h5 = tmp_path / "unzipped" / "model.weights.h5"
+    layer = model.layers[1]
+    # Saved after the kernel and bias, in STATE_VARIABLE_NAMES order.
+    position = 2 + [v.name for v in layer.fp8_state_variables].index(variable)
+    with h5py.File(h5, "r+") as f:
+        entry = f[f"layers/dense_1/vars/{position}"]
+        data = entry[()]
+        if index is None:
+            data = np.float32(value)
+        else:
+            data[index] = value
+        entry[...] = data
+    if fmt == "keras":
+        with zipfile.ZipFile(path) as archive:
+            members = {name: archive.read(name) for name in archive.namelist()}
+        with zipfile.ZipFile(path, "w") as archive:
+            for name, content in members.items():
+                archive.writestr(name, h5.read_bytes() if name == "model.weights.h5" else content)
+    fresh = _model()
+    before = [to_numpy(v) for v in fresh.layers[1].weights]
+    with pytest.raises(ValueError, match=rf"Invalid FP8 state in the checkpoint of layer .*: variable '[^']*/{variable}' holds"):
+        keras.models.load_model(path) if fmt == "keras" else fresh.load_weights(path)
+    if fmt == "weights.h5":  # the refused layer is unchanged
+        for a, b in zip(before, fresh.layers[1].weights):
+            np.testing.assert_array_equal(a, to_numpy(b))
+
+
+def test_load_own_variables_validates_the_fp8_state():
+    layer = FP8Dense(4, dtype="fp8_hybrid", min_gemm_size=0)
+    layer(rng_normal((2, 8), 0), training=True)
+    store = {}
+    layer.save_own_variables(store)
+    store = {k: to_numpy(v) for k, v in store.items()}
+    store["4"] = np.float32(0.0)  # kernel_scale (after kernel, bias, input_scale, input_amax_history)
+    kernel = to_numpy(layer.kernel)
+    with pytest.raises(ValueError, match=r"'[^']*kernel_scale' holds 0\.0; expected a finite, positive scale"):
+        layer.load_own_variables(store)
+    np.testing.assert_array_equal(to_numpy(layer.kernel), kernel)
+    store["4"] = np.float32(2.0)
+    layer.load_own_variables(store)  # a valid state loads
+    assert float(to_numpy(layer.kernel_scale)) == 2.0
+
+
+# --------------------------------------------------------------------------- 14. Keras's quantization
+class _MyDense(keras.layers.Dense):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["embedding", "excluded_dense", "dense_subclass", "fp8_dense"])
+def test_layer_quantize_under_an_fp8_policy_is_refused_changing_nothing(kind):
+    keras.mixed_precision.set_global_policy("fp8_hybrid[exclude=kept]")
+    if kind == "embedding":
+        layer, x = keras.layers.Embedding(10, 16), np.arange(4).reshape(2, 2)
+    else:
+        make = {"excluded_dense": lambda: keras.layers.Dense(8, name="kept"),
+                "dense_subclass": lambda: _MyDense(8),
+                "fp8_dense": lambda: keras.layers.Dense(8)}[kind]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the subclass's "built as a plain layer"
+            layer, x = make(), rng_normal((2, 16), 0)
+            layer(x)
+    y = to_numpy(layer(x))
+    variables = [(v, to_numpy(v)) for v in layer.weights]
+    with pytest.raises(ValueError, match=r"quantize\(mode='int8'\).*FP8 dtype policy.*unconvert"):
+        layer.quantize("int8")
+    assert layer.quantization_mode is None
+    assert [v for v, _ in variables] == list(layer.weights)
+    for v, value in variables:
+        np.testing.assert_array_equal(to_numpy(v), value)
+    np.testing.assert_array_equal(to_numpy(layer(x)), y)
+
+
+@pytest.mark.parametrize("policy", ["int8_from_float32", "int8_from_mixed_bfloat16", "float8_from_float32"])
+def test_fp8_layer_refuses_a_quantized_policy(policy):
+    with pytest.raises(ValueError, match=rf"Invalid `dtype`.*quantized.*Received: dtype='{policy}'"):
+        FP8Dense(3, dtype=policy)
+    with pytest.raises(ValueError, match=rf"Invalid `dtype`.*Received: dtype='{policy}'"):
+        FP8EinsumDense("ab,bc->ac", (3,), dtype=policy)
+    # A DTypePolicyMap entry is known at build.
+    policy_map = keras.dtype_policies.DTypePolicyMap(default_policy="float32")
+    policy_map["q"] = policy
+    layer = FP8Dense(3, dtype=policy_map, name="q")
+    with pytest.raises(ValueError, match=rf"Invalid `dtype` for the FP8 layer 'q'.*Received: dtype='{policy}'"):
+        layer(rng_normal((2, 4), 0))
+
+
+# --------------------------------------------------------------------------- 15. convert's default policy
+def test_convert_without_policy_runs_fp8():
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32), keras.layers.Dense(8)])
+    assert len(keras_fp8.convert(model, min_gemm_size=0)) == 2
+    for layer in model.layers:
+        assert layer.dtype_policy.name == "fp8_hybrid"
+        assert layer.active_recipe() is not None
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(rng_normal((16, 16), 0), rng_normal((16, 8), 1), batch_size=8, epochs=1, verbose=0)
+    for layer in model.layers:
+        assert np.count_nonzero(to_numpy(layer.input_amax_history)) == 2
+        assert layer.fp8_execution()[0] == "FP8"
+
+
+# --------------------------------------------------------------------------- 16. complex inputs
+def test_complex_input_warning_says_what_runs():
+    layer = FP8Dense(3, dtype="fp8_hybrid", min_gemm_size=0, name="cplx")
+    x = keras.ops.convert_to_tensor(np.ones((2, 4), np.complex64))
+    with pytest.warns(UserWarning, match=r"'cplx' \(FP8Dense\) runs as Dense in complex64, not in FP8: .*complex64"):
+        y = layer(x)
+    assert keras.ops.dtype(y) == "complex64"
+    layer = FP8Dense(3, dtype="fp8_hybrid", min_gemm_size=0, name="ints")
+    with pytest.warns(UserWarning, match=r"'ints' \(FP8Dense\) runs as Dense in bfloat16, not in FP8: .*int32"):
+        y = layer(np.ones((2, 4), np.int32))
+    assert keras.ops.dtype(y) == "bfloat16"
+
+
+# --------------------------------------------------------------------------- 17. policy name keys
+@pytest.mark.parametrize(
+    "name, hint",
+    [("fp8_hybrid[histroy_len=16]", r"'histroy_len'.*Did you mean 'history_len'\?"),
+     ("fp8_hybrid[scaling=current,history_len=16]", r"'history_len'.* does not apply to scaling='current'"),
+     ("fp8_hybrid[fp8_format=e4m3]", r"'fp8_format'.*comes from the base name"),
+     ("fp8_hybrid[power_of_two=true]", r"'power_of_two'.* does not apply to scaling='delayed'")],
+)
+def test_unknown_policy_setting_lists_the_valid_ones(name, hint):
+    with pytest.raises(ValueError, match=rf"Unknown setting {hint}.*Valid settings with scaling='\w+': scaling, "
+                                         r"min_gemm_size, exclude, \w+"):
+        keras_fp8.FP8DTypePolicy(name)
+    with pytest.raises(ValueError, match="Valid settings"):
+        keras.mixed_precision.set_global_policy(name)

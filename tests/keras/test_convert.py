@@ -117,7 +117,8 @@ class ConvertModelsTest(parameterized.TestCase):
         weights = {v.path: (v, to_numpy(v)) for v in model.weights}
         layers_before = {id(l) for l in model._flatten_layers()}
 
-        converted = keras_fp8.convert(model, exclude="head")
+        # A non-FP8 policy: converted without turning FP8 on.
+        converted = keras_fp8.convert(model, exclude="head", policy="float32")
 
         self.assertCountEqual(converted, paths)
         found = {
@@ -236,7 +237,9 @@ class ConvertTrainTest(parameterized.TestCase):
 class ConvertSelectionTest(parameterized.TestCase):
     @parameterized.named_parameters(
         ("regex_include", dict(include="^b"), ["body"]),
-        ("regex_exclude_path", dict(exclude="seq/(proj|head)"), ["body"]),
+        ("regex_exclude_path", dict(exclude="^(proj|head)$"), ["body"]),
+        # The model's own name ("seq") is not part of the searched path.
+        ("regex_not_the_model_name", dict(exclude="s"), ["body", "proj", "head"]),
         ("list_include", dict(include=["proj", "head"]), ["proj", "head"]),
         ("list_exclude_path", dict(exclude=("seq/body",)), ["proj", "head"]),
         ("callable", dict(include=lambda l: getattr(l, "units", 0) == 32), ["body"]),
@@ -314,7 +317,7 @@ class ConvertSelectionTest(parameterized.TestCase):
         layer = keras.layers.EinsumDense("...b,bc->...c", (5,), name="solo")
         x = rng_normal((2, 3, 4), 0)
         y = to_numpy(layer(x))
-        self.assertEqual(keras_fp8.convert(layer), ["solo"])
+        self.assertEqual(keras_fp8.convert(layer, policy="float32"), ["solo"])
         self.assertIsInstance(layer, FP8EinsumDense)
         np.testing.assert_array_equal(to_numpy(layer(x)), y)
         with keras_fp8.autocast():

@@ -195,7 +195,7 @@ class ExclusionTest(parameterized.TestCase):
         self.assertIs(type(model.get_layer("head")), keras.layers.Dense)
 
     def test_explicit_fp8_layers_are_not_excluded(self):
-        layer = FP8Dense(4, dtype="fp8_hybrid[exclude=.*]")
+        layer = FP8Dense(4, dtype="fp8_hybrid[exclude=.+]")
         layer(rng_normal((2, 8), 0), training=True)
         self.assertEqual(np.count_nonzero(to_numpy(layer.input_amax_history)), 1)
 
