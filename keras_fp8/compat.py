@@ -18,9 +18,11 @@ The patches:
 3. `Trainer.compile`: Keras wraps the optimizer in a `LossScaleOptimizer` only
    for the policy named exactly `"mixed_float16"`; the FP8 float16 policies
    need keras-fp8's wrapper, whatever made the model FP8.
-4. `Dense.build` / `EinsumDense.build`, their `load_own_variables` and their
-   `quantize`: an FP8 policy must make Keras's own projection layers FP8
-   (model zoos build theirs from these classes), their plain form must read
+4. `Dense.build` / `EinsumDense.build` / `ReversibleEmbedding.build`, their
+   `load_own_variables` and their `quantize`: an FP8 policy must make Keras's
+   own projection layers FP8 (model zoos build theirs from these classes; a
+   language model's vocabulary projection is a `ReversibleEmbedding` called
+   with `reverse=True`), their plain form must read
    an FP8 checkpoint, and a layer that became FP8 must refuse Keras's
    quantization clearly (Keras binds `quantize` per instance when the layer
    is created, so the FP8 class's own refusal never runs for it). Keras's
@@ -143,12 +145,15 @@ def wrap_compile_optimizer(wrap):
 
 _KERAS_DENSE_METHODS = {
     cls: (cls.build, cls.load_own_variables, cls.quantize)
-    for cls in (keras.layers.Dense, keras.layers.EinsumDense)
+    # ReversibleEmbedding: the vocabulary projection of keras_hub's language
+    # models is its reverse call, outside Dense/EinsumDense.
+    for cls in (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.ReversibleEmbedding)
 }
 
 
 def hook_dense_layers(build_hook, load_hook, quantize_hook):
-    """Patch 4: on `Dense` and `EinsumDense`, `build(input_shape)` becomes
+    """Patch 4: on `Dense`, `EinsumDense` and `ReversibleEmbedding`,
+    `build(input_shape)` becomes
     `build_hook(layer, input_shape, keras_build)`, `load_own_variables(store)`
     becomes `load_hook(layer, store, keras_load)`, and `quantize(...)` first
     calls `quantize_hook(layer, mode)`, which may raise.
@@ -162,7 +167,7 @@ def hook_dense_layers(build_hook, load_hook, quantize_hook):
             # `functools.wraps` keeps `build`'s signature: Keras's build
             # wrapper binds its arguments to record the build config.
             @functools.wraps(keras_build)
-            def build(self, input_shape):
+            def build(self, input_shape=None):
                 return build_hook(self, input_shape, keras_build)
 
             @functools.wraps(keras_load)
