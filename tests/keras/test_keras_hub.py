@@ -307,6 +307,7 @@ class Head(keras.layers.Layer):
     def __init__(self, embedding, **kwargs):
         super().__init__(**kwargs)
         self.embedding = embedding
+        self.built = embedding.built  # (stateless_call asks for a built layer)
 
     def call(self, x):
         return self.embedding(x, reverse=True)
