@@ -90,7 +90,7 @@ class FP8ReversibleEmbedding(FP8StateMixin, keras.layers.ReversibleEmbedding):
         m = None if any(d is None for d in lead) else math.prod(lead)
         return m, self.output_dim, self.input_dim
 
-    def call(self, inputs, reverse=False):
+    def call(self, inputs, reverse=False, training=None):
         if not reverse:
             return super().call(inputs, reverse=False)
         if self._fp8_recipe() is None:
@@ -104,8 +104,12 @@ class FP8ReversibleEmbedding(FP8StateMixin, keras.layers.ReversibleEmbedding):
         if recipe is None:
             logits = self._compute_dtype_projection(inputs)
         else:
-            context = compat.current_call_context()
-            training = None if context is None else context.get_value("training")
+            if training is None:
+                # A layer that became FP8 by a policy keeps the call signature
+                # Keras read from `ReversibleEmbedding` (no `training`), so its
+                # parents do not pass it: the call context holds it.
+                context = compat.current_call_context()
+                training = None if context is None else context.get_value("training")
             x = ops.reshape(inputs, (-1, self.output_dim))
             logits = self._fp8_matmul(x, self._projection_kernel(), recipe, bool(training))
             logits = ops.reshape(logits, tuple(ops.shape(inputs)[:-1]) + (self.input_dim,))

@@ -309,8 +309,9 @@ class Head(keras.layers.Layer):
         self.embedding = embedding
         self.built = embedding.built  # (stateless_call asks for a built layer)
 
-    def call(self, x):
-        return self.embedding(x, reverse=True)
+    def call(self, x, training=None):
+        # (`stateless_call` runs `call` outside any call context: pass it on.)
+        return self.embedding(x, reverse=True, training=training)
 
 
 def _assert_close(actual, expected, msg=""):
