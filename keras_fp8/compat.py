@@ -50,6 +50,7 @@ The patches:
 
 import contextlib
 import functools
+import inspect
 import re
 import warnings
 
@@ -335,6 +336,21 @@ def retrack_torch_parameters(layer):
     took of its variables (its own and its sublayers') after build."""
     if hasattr(layer, "_torch_params"):
         layer._track_variables()
+
+
+def refresh_call_signature(layer):
+    """Re-reads what `Layer.__init__` cached of the layer's `call`
+    signature, after its class changed (`keras_fp8/layers/swap.py`): a
+    class whose `call` takes `training` where the old one did not then gets
+    it passed by its parents (a Functional model's `call`), which a
+    `stateless_call` runs outside any call context."""
+    signature = inspect.signature(layer.call)
+    names = [p.name for p in signature.parameters.values()]
+    layer._call_signature = signature
+    layer.call_signature_parameters = names
+    layer._call_has_training_arg = "training" in names
+    layer._call_has_mask_arg = "mask" in names
+    layer._call_has_context_arg = {arg: arg in names for arg in layer._call_context_args}
 
 
 def build_input_shape(layer):

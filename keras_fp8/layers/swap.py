@@ -102,6 +102,7 @@ def to_fp8(layer, recipe=None, min_gemm_size=None):
     # `__class__` assignment bypasses Layer.__setattr__ (the tracker and, on
     # torch, nn.Module's registration) on purpose: it is not state.
     object.__setattr__(layer, "__class__", fp8_class)
+    compat.refresh_call_signature(layer)  # FP8ReversibleEmbedding's takes `training`
     layer._init_fp8(recipe, min_gemm_size)
 
 
@@ -116,3 +117,4 @@ def to_plain(layer):
         if name in vars(layer):
             delattr(layer, name)
     object.__setattr__(layer, "__class__", PLAIN_CLASS[type(layer)])
+    compat.refresh_call_signature(layer)
