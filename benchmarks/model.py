@@ -46,7 +46,9 @@ every other model of the process stay resident); JAX, the device's
 `peak_bytes_in_use` after the warm-up `fit` minus `bytes_in_use` then,
 taken only for the variant a process warms up first (the peak never
 resets; the warm-up order rotates with the process index, so with two
-policies and two or more processes each gets measured). Torch on a GPU
+policies and two or more processes each gets measured). The peak step
+memory adds the variant's own resident memory (its variables and optimizer
+state) to that: what the step would peak at with that model alone. Torch on a GPU
 also prints the device memory free when a process starts and counts, in
 each Keras variant's record, the caching allocator's retries in its timed
 fits (`alloc_retries`): both show memory pressure that step times alone
@@ -304,7 +306,13 @@ class KerasVariant:
 
             monitor.measure = timed_measure
 
+    def resident_gib(self):
+        """GiB of the model's variables and optimizer state."""
+        return timing.keras_resident_gib(self.model)
+
     def fit(self, x, y, steps, batch, measure_memory=False):
+        import keras
+
         memory_step = 1 if (measure_memory and self.torch_memory) else None
         timer = _Timer.make(memory_step)
         callbacks = [timer]
@@ -316,7 +324,10 @@ class KerasVariant:
             self.shortcut_cls.enabled = self.name.endswith(SHORTCUT)
         retries = _alloc_retries() if self.torch_cuda else None
         try:
-            self.model.fit(x[:n], y[:n], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+            # Keras's own fit (a keras_hub task's `fit` wants TensorFlow or
+            # grain for NumPy inputs); dict inputs are sliced per entry.
+            keras.Model.fit(self.model, timing.take(x, n), timing.take(y, n), batch_size=batch, epochs=1,
+                            shuffle=False, verbose=0, callbacks=callbacks)
         finally:
             if self.shortcut_cls is not None:
                 self.shortcut_cls.enabled = False
@@ -334,11 +345,17 @@ def torch_decoder(args):
     import torch.nn as nn
     import torch.nn.functional as F
 
+    # Grouped-query attention where `args.kv_heads` (a keras_hub Llama's
+    # `num_key_value_heads`, benchmarks/zoo.py) is below `args.heads`.
+    kv_heads = getattr(args, "kv_heads", None) or args.heads
+    head_dim = args.hidden // args.heads
+    kv = kv_heads * head_dim
+
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             self.n1, self.n2 = nn.RMSNorm(args.hidden), nn.RMSNorm(args.hidden)
-            self.qkv = nn.Linear(args.hidden, 3 * args.hidden, bias=False)
+            self.qkv = nn.Linear(args.hidden, args.hidden + 2 * kv, bias=False)
             self.out = nn.Linear(args.hidden, args.hidden, bias=False)
             self.gate = nn.Linear(args.hidden, args.mlp, bias=False)
             self.up = nn.Linear(args.hidden, args.mlp, bias=False)
@@ -346,9 +363,16 @@ def torch_decoder(args):
 
         def forward(self, h):
             b, s, _ = h.shape
-            q, k, v = self.qkv(self.n1(h)).view(b, s, 3, args.heads, -1).unbind(2)
+            if kv_heads == args.heads:
+                q, k, v = self.qkv(self.n1(h)).view(b, s, 3, args.heads, -1).unbind(2)
+                gqa = {}
+            else:
+                q, k, v = self.qkv(self.n1(h)).split([args.hidden, kv, kv], dim=-1)
+                q = q.view(b, s, args.heads, head_dim)
+                k, v = k.view(b, s, kv_heads, head_dim), v.view(b, s, kv_heads, head_dim)
+                gqa = {"enable_gqa": True}
             a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True).transpose(1, 2).reshape(b, s, -1)
+                                               is_causal=True, **gqa).transpose(1, 2).reshape(b, s, -1)
             h = h + self.out(a)
             m = self.n2(h)
             return h + self.down(F.silu(self.gate(m)) * self.up(m))
@@ -397,6 +421,10 @@ class TorchPeerVariant:
         self.x = torch.tensor(x, dtype=torch.long, device="cuda")
         self.y = torch.tensor(y, dtype=torch.long, device="cuda")
         self.mem_gib = None
+
+    def resident_gib(self):
+        """GiB of the parameters and the optimizer state."""
+        return timing.torch_resident_gib(self.model, self.optimizer)
 
     def fit(self, x, y, steps, batch, measure_memory=False):
         import torch
@@ -545,6 +573,7 @@ def worker(args):
             continue
         med = statistics.median(samples[name])
         mem = variants[name].mem_gib if backend == "torch" else jax_mem.get(name)
+        resident = variants[name].resident_gib()
         monitor = getattr(variants[name], "monitor", None)
         extra = {}
         if getattr(variants[name], "torch_cuda", False):
@@ -556,13 +585,17 @@ def worker(args):
                          measure_ms_max=max(timed) if timed else None)
         timing.emit(timing.variant_record(name, med, row=stack, tok_per_s=tokens / med * 1e3, steps=len(samples[name]),
                                           ms_mean=statistics.fmean(samples[name]), timed_per_fit=args.steps - 1,
-                                          mem_gib=mem, loss_first=losses[name][0], loss_last=losses[name][-1],
+                                          mem_gib=mem, resident_gib=resident,
+                                          peak_gib=None if mem is None else resident + mem,
+                                          loss_first=losses[name][0], loss_last=losses[name][-1],
                                           **extra))
 
 
 # --------------------------------------------------------------------------- tables
 HEADER = "| stack | variant | ms per step | tok/s | speed-up over the stack's mixed_bfloat16 | step memory, GiB |"
 RATIO_HEADER = "| ratio | value |"
+MEMORY_HEADER = ("| stack | variant | resident: weights and optimizer state, GiB | step memory above it, GiB "
+                 "| peak step memory, GiB |")
 LABELS = {
     "mixed_bfloat16": "mixed_bfloat16 (Dense)",
     "mixed_bfloat16" + SHORTCUT: "mixed_bfloat16, Dense with the host-path shortcut",
@@ -626,6 +659,18 @@ def tables(per_process, args=None):
             out.append(f"| {STACKS.get(row, row)} | {label} | {res.ms(row, v, fmt='{:.2f}')} "
                        f"| {res.ms(row, v, field='tok_per_s', fmt='{:.0f}')} | {ratio} "
                        f"| {res.ms(row, v, field='mem_gib', fmt='{:.2f}')} |")
+    out += ["", "Peak step memory of each variant's own model (its variables and optimizer state, which stay "
+            "allocated, plus what one step allocates above them; torch: max_memory_allocated, JAX: the device's "
+            "peak_bytes_in_use, measured for the variant a process warms up first):", "", MEMORY_HEADER,
+            _sep(MEMORY_HEADER)]
+    for row in res.rows():
+        for v in _variants_of(res, row):
+            if timing.summary(res.values(row, v)) is None:
+                continue
+            label = LABELS.get(v, v.replace(MONITOR, " + FP8Monitor"))
+            out.append(f"| {STACKS.get(row, row)} | {label} | {res.ms(row, v, field='resident_gib', fmt='{:.2f}')} "
+                       f"| {res.ms(row, v, field='mem_gib', fmt='{:.2f}')} "
+                       f"| {res.ms(row, v, field='peak_gib', fmt='{:.2f}')} |")
     out += ["", "Ratios (speed-ups; within each process, summarized over processes):", "", RATIO_HEADER,
             _sep(RATIO_HEADER)]
     fp8 = None

@@ -22,7 +22,9 @@ import math
 import os
 import platform
 import random
+import contextlib
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -145,6 +147,88 @@ def failure(e: BaseException) -> BaseException:
         link.__traceback__ = None
         link = link.__cause__ or link.__context__
     return e
+
+
+class VariantTimeout(Exception):
+    """A variant ran past its time budget (`time_limit`)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds, what):
+    """Raises `VariantTimeout` in this (main) thread when the block runs
+    longer than `seconds` (None: no limit), so that a variant that would
+    hang (e.g. a compilation that does not finish) becomes a recorded
+    failure and the process goes on. Python code is interrupted at its next
+    bytecode; a long call into C returns first."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise VariantTimeout(f"{what}: no result within {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is a device out-of-memory error (torch's
+    `OutOfMemoryError`, XLA's RESOURCE_EXHAUSTED), chained ones included."""
+    seen, link = set(), e
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if type(link).__name__ == "OutOfMemoryError" or re.search(
+                r"RESOURCE_EXHAUSTED|out of memory|Out of memory", str(link)):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
+# --------------------------------------------------------------------------- data and memory
+def take(x, n):
+    """The first `n` rows of an array, or of each array of a dict."""
+    if isinstance(x, dict):
+        return {k: v[:n] for k, v in x.items()}
+    return x[:n]
+
+
+_ITEM_BYTES = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def keras_resident_gib(model):
+    """GiB held by a Keras model's variables and its optimizer's (what
+    stays allocated between steps: weights, FP8 state, moments)."""
+    variables = list(model.weights)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        variables += list(optimizer.variables)
+    seen, total = set(), 0
+    for v in variables:
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        total += math.prod(v.shape) * _ITEM_BYTES.get(str(v.dtype), 4)
+    return total / 2**30
+
+
+def torch_resident_gib(module, optimizer):
+    """GiB held by a torch module's parameters and buffers and its
+    optimizer's state tensors."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    for state in optimizer.state.values():
+        tensors += [t for t in state.values() if hasattr(t, "element_size")]
+    seen, total = set(), 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total / 2**30
 
 
 # --------------------------------------------------------------------------- records

@@ -18,11 +18,13 @@ The patches:
 3. `Trainer.compile`: Keras wraps the optimizer in a `LossScaleOptimizer` only
    for the policy named exactly `"mixed_float16"`; the FP8 float16 policies
    need keras-fp8's wrapper, whatever made the model FP8.
-4. `Dense.build` / `EinsumDense.build` and their `load_own_variables`: an
-   FP8 policy must make Keras's own projection layers FP8 (model zoos build
-   theirs from these classes), and their plain form must read an FP8
-   checkpoint. Keras's quantization hook (`quantization_mode`,
-   `quantized_build`, `quantized_call`) cannot carry it: a policy whose
+4. `Dense.build` / `EinsumDense.build` / `ReversibleEmbedding.build` and
+   their `load_own_variables`: an FP8 policy must make Keras's own
+   projection layers FP8 (model zoos build theirs from these classes; a
+   language model's vocabulary projection is a `ReversibleEmbedding` called
+   with `reverse=True`), and their plain form must read an FP8 checkpoint.
+   Keras's quantization hook (`quantization_mode`, `quantized_build`,
+   `quantized_call`) cannot carry it: a policy whose
    `quantization_mode` is set sends every layer under it (LayerNormalization,
    Embedding, ...) to `quantized_call`, the modes are a closed list
    (`QUANTIZATION_MODES`) checked throughout Keras, and Keras's setter of a
@@ -54,6 +56,7 @@ The patches:
 
 import contextlib
 import functools
+import inspect
 import re
 import warnings
 
@@ -149,12 +152,15 @@ def wrap_compile_optimizer(wrap):
 
 _KERAS_DENSE_METHODS = {
     cls: (cls.build, cls.load_own_variables)
-    for cls in (keras.layers.Dense, keras.layers.EinsumDense)
+    # ReversibleEmbedding: the vocabulary projection of keras_hub's language
+    # models is its reverse call, outside Dense/EinsumDense.
+    for cls in (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.ReversibleEmbedding)
 }
 
 
 def hook_dense_layers(build_hook, load_hook):
-    """Patch 4: on `Dense` and `EinsumDense`, `build(input_shape)` becomes
+    """Patch 4: on `Dense`, `EinsumDense` and `ReversibleEmbedding`,
+    `build(input_shape)` becomes
     `build_hook(layer, input_shape, keras_build)` and
     `load_own_variables(store)` becomes `load_hook(layer, store, keras_load)`.
 
@@ -167,7 +173,7 @@ def hook_dense_layers(build_hook, load_hook):
             # `functools.wraps` keeps `build`'s signature: Keras's build
             # wrapper binds its arguments to record the build config.
             @functools.wraps(keras_build)
-            def build(self, input_shape):
+            def build(self, input_shape=None):
                 return build_hook(self, input_shape, keras_build)
 
             @functools.wraps(keras_load)
@@ -365,6 +371,21 @@ def retrack_torch_parameters(layer):
     took of its variables (its own and its sublayers') after build."""
     if hasattr(layer, "_torch_params"):
         layer._track_variables()
+
+
+def refresh_call_signature(layer):
+    """Re-reads what `Layer.__init__` cached of the layer's `call`
+    signature, after its class changed (`keras_fp8/layers/swap.py`): a
+    class whose `call` takes `training` where the old one did not then gets
+    it passed by its parents (a Functional model's `call`), which a
+    `stateless_call` runs outside any call context."""
+    signature = inspect.signature(layer.call)
+    names = [p.name for p in signature.parameters.values()]
+    layer._call_signature = signature
+    layer.call_signature_parameters = names
+    layer._call_has_training_arg = "training" in names
+    layer._call_has_mask_arg = "mask" in names
+    layer._call_has_context_arg = {arg: arg in names for arg in layer._call_context_args}
 
 
 def build_input_shape(layer):

@@ -69,8 +69,11 @@ def convert(
     Walks `model` and every layer nested in it (Sequential, Functional and
     subclassed models, custom layers, layers held as attributes, e.g. the
     projections of `keras.layers.MultiHeadAttention`) and converts, in place,
-    each layer whose class is exactly `keras.layers.Dense` (to `FP8Dense`)
-    or `keras.layers.EinsumDense` (to `FP8EinsumDense`). The layer stays the
+    each layer whose class is exactly `keras.layers.Dense` (to `FP8Dense`),
+    `keras.layers.EinsumDense` (to `FP8EinsumDense`) or
+    `keras.layers.ReversibleEmbedding` (to `FP8ReversibleEmbedding`: the
+    token embedding whose reverse call is a language model's vocabulary
+    projection). The layer stays the
     same object with the same variables, name and path, and gains the FP8
     state variables (`input_scale`, `input_amax_history`, ...).
 

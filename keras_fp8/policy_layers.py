@@ -1,4 +1,5 @@
-"""What an FP8 policy does to Keras's own `Dense` and `EinsumDense`.
+"""What an FP8 policy does to Keras's own `Dense`, `EinsumDense` and
+`ReversibleEmbedding`.
 
 Keras model zoos (keras_hub included) build their projections from
 `keras.layers.Dense` / `EinsumDense`. After `import keras_fp8` such a layer
@@ -10,6 +11,10 @@ layers' code. Exceptions, which build as plain layers:
 
 - layers the policy's `exclude` matches in their path below the model (no
   warning: asked for; `keras_fp8.summary` lists them);
+- with a one-time warning naming the layer: a `ReversibleEmbedding` (the
+  token embedding whose reverse direction is the vocabulary projection of
+  keras_hub's language models; it becomes `FP8ReversibleEmbedding`) whose
+  `reverse_dtype` is set;
 - with a one-time warning naming the layer: a subclass of `Dense` /
   `EinsumDense` (its own methods would be lost), LoRA at build
   (`lora_rank=`), a Keras-quantized layer, and an equation `FP8EinsumDense`
@@ -68,7 +73,7 @@ def load_own_variables(layer, store, keras_load):
     """`Dense.load_own_variables` / `EinsumDense.load_own_variables` under
     keras_fp8: an FP8 checkpoint of the layer loads its kernel and bias."""
     if type(layer) in swap.PLAIN_CLASSES and layer.built and layer.quantization_mode is None:
-        own_count = 2 if layer.bias is not None else 1
+        own_count = swap.plain_variable_count(layer)
         if fp8_state.is_fp8_checkpoint(store, own_count):
             if not _warned_dropped_state:
                 _warned_dropped_state.append(True)

@@ -1,4 +1,5 @@
-"""Turning a Keras `Dense`/`EinsumDense` into its FP8 layer and back, in place.
+"""Turning a Keras `Dense`/`EinsumDense`/`ReversibleEmbedding` into its FP8
+layer and back, in place.
 
 The FP8 classes are the plain classes plus `FP8StateMixin`: an instance
 changes class by `__class__` assignment and keeps its identity, its kernel
@@ -13,6 +14,7 @@ from keras_fp8 import compat
 from keras_fp8.layers.fp8_dense import FP8Dense
 from keras_fp8.layers.fp8_einsum_dense import FP8EinsumDense
 from keras_fp8.layers.fp8_einsum_dense import MatmulPlan
+from keras_fp8.layers.fp8_reversible_embedding import FP8ReversibleEmbedding
 from keras_fp8.layers.fp8_state import STATE_VARIABLE_NAMES
 
 # Exact plain class -> FP8 class. Subclasses of Dense/EinsumDense are not
@@ -20,6 +22,9 @@ from keras_fp8.layers.fp8_state import STATE_VARIABLE_NAMES
 FP8_CLASS = {
     keras.layers.Dense: FP8Dense,
     keras.layers.EinsumDense: FP8EinsumDense,
+    # The token embedding of keras_hub's language models: its reverse
+    # direction is the vocabulary projection.
+    keras.layers.ReversibleEmbedding: FP8ReversibleEmbedding,
 }
 PLAIN_CLASS = {fp8: plain for plain, fp8 in FP8_CLASS.items()}
 FP8_CLASSES = tuple(PLAIN_CLASS)
@@ -27,8 +32,8 @@ PLAIN_CLASSES = tuple(FP8_CLASS)
 
 
 def plain_base(layer):
-    """`keras.layers.Dense` or `EinsumDense` when `layer` is one (or a
-    subclass of one), else None."""
+    """The plain class of `FP8_CLASS` (`keras.layers.Dense`, `EinsumDense`,
+    `ReversibleEmbedding`) that `layer` is an instance of, else None."""
     for plain in PLAIN_CLASSES:
         if isinstance(layer, plain):
             return plain
@@ -36,7 +41,7 @@ def plain_base(layer):
 
 
 def why_not_fp8(layer, input_ndim):
-    """Why `layer`, a `Dense`/`EinsumDense` that is not FP8 yet, cannot
+    """Why `layer`, a plain layer of `FP8_CLASS` that is not FP8 yet, cannot
     become an FP8 layer (None: it can).
 
     Args:
@@ -49,7 +54,7 @@ def why_not_fp8(layer, input_ndim):
     """
     plain = plain_base(layer)
     if plain is None:
-        return "it is not a Dense or EinsumDense layer"
+        return "it is not a Dense, EinsumDense or ReversibleEmbedding layer"
     if type(layer) is not plain:
         return (
             f"its class {type(layer).__name__} is a subclass of "
@@ -59,6 +64,11 @@ def why_not_fp8(layer, input_ndim):
         return "LoRA is enabled (FP8 layers do not support LoRA)"
     if layer.quantization_mode is not None:
         return f"it is quantized (quantization_mode='{layer.quantization_mode}')"
+    if plain is keras.layers.ReversibleEmbedding and layer.reverse_dtype is not None:
+        return (
+            f"its reverse_dtype is set ({layer.reverse_dtype!r}): its "
+            "projection runs in that dtype, as asked"
+        )
     if plain is keras.layers.EinsumDense:
         if input_ndim is None:
             if "..." in layer.equation:
@@ -75,6 +85,14 @@ def why_not_fp8(layer, input_ndim):
     return None
 
 
+def plain_variable_count(layer):
+    """How many variables a plain, unquantized layer of `FP8_CLASS` saves
+    (what precedes the FP8 state in an FP8 checkpoint of it)."""
+    if isinstance(layer, keras.layers.ReversibleEmbedding):
+        return 1 if layer.tie_weights else 2
+    return 2 if layer.bias is not None else 1
+
+
 def to_fp8(layer, recipe=None, min_gemm_size=None):
     """Makes `layer` (an exact `Dense`/`EinsumDense`) an instance of its FP8
     class, with the FP8 arguments `recipe` and `min_gemm_size`. A built
@@ -84,6 +102,7 @@ def to_fp8(layer, recipe=None, min_gemm_size=None):
     # `__class__` assignment bypasses Layer.__setattr__ (the tracker and, on
     # torch, nn.Module's registration) on purpose: it is not state.
     object.__setattr__(layer, "__class__", fp8_class)
+    compat.refresh_call_signature(layer)  # FP8ReversibleEmbedding's takes `training`
     layer._init_fp8(recipe, min_gemm_size)
 
 
@@ -98,3 +117,4 @@ def to_plain(layer):
         if name in vars(layer):
             delattr(layer, name)
     object.__setattr__(layer, "__class__", PLAIN_CLASS[type(layer)])
+    compat.refresh_call_signature(layer)

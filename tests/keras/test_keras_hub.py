@@ -11,6 +11,11 @@ no downloads, no preprocessors).
 | `unconvert` | no FP8 layer or policy left; the `.keras` file names no keras_fp8 object |
 | `.keras` saved under the other backend | FP8 layers, identical state |
 | `fp8_hybrid_float16` | the task's optimizer is keras_fp8's `LossScaleOptimizer` |
+| the vocabulary projection (`ReversibleEmbedding(reverse=True)`), untied and tied, training calls | `FP8ReversibleEmbedding`: outputs, gradients and state equal the `keras_fp8.numerics` reference; the lookup unchanged |
+| the projection below `min_gemm_size` / with FP8 off | the compute dtype (bfloat16 logits) / exactly Keras's layer (float32) |
+| Llama (untied) and GPT-2 (tied) causal LMs under `fp8_hybrid` | the head is FP8, its state saved, reloaded and trained on |
+| `fp8_hybrid[exclude=token_embedding]`; `reverse_dtype` set | the head stays a plain `ReversibleEmbedding` (after reloading too); a warning names the second |
+| `convert` / `unconvert` of the head; `layer.quantize` on it | FP8 and back with the same weights; Keras's quantization refused |
 """
 
 import os
@@ -24,8 +29,14 @@ import pytest
 import keras_fp8
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
+from keras_fp8.layers import FP8ReversibleEmbedding
+from tests.support.backend_utils import rng_normal
 from tests.support.backend_utils import run_under_other_backend
 from tests.support.backend_utils import to_numpy
+from tests.support.backend_utils import train_call_with_grads
+from tests.support.keras_reference import ReferenceSteps
+from tests.support.keras_reference import assert_same_state
+from tests.support.keras_reference import layer_state
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -47,8 +58,10 @@ def gpt2():
 
 
 def llama():
+    # Untied head (keras_hub's default for Llama): `reverse_embeddings`.
     backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=VOCAB, num_query_heads=2, num_key_value_heads=1, dropout=0.0, **SIZES
+        vocabulary_size=VOCAB, num_query_heads=2, num_key_value_heads=1, dropout=0.0,
+        tie_word_embeddings=False, **SIZES
     )
     return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
 
@@ -151,6 +164,14 @@ def test_policy_alone_trains_saves_and_resumes_like_bf16(name):
     for layer in fp8_layers(loaded):
         assert np.count_nonzero(to_numpy(layer.input_amax_history)) == 5, layer.path
         assert np.count_nonzero(to_numpy(layer.grad_amax_history)) == 4, layer.path
+    # The token embedding is FP8 too; a language model's head (its reverse
+    # call) recorded as the projections did, a classifier's never ran.
+    head = loaded.backbone.token_embedding
+    assert type(head) is FP8ReversibleEmbedding
+    assert type(bf16_task.backbone.token_embedding) is keras.layers.ReversibleEmbedding
+    calls = (0, 0) if name == "bert" else (5, 4)
+    assert np.count_nonzero(to_numpy(head.input_amax_history)) == calls[0]
+    assert np.count_nonzero(to_numpy(head.grad_amax_history)) == calls[1]
     # Against mixed_bfloat16, step by step.
     losses, bf16_losses = np.array(losses), np.array(bf16_losses)
     assert np.isfinite(losses).all()
@@ -177,7 +198,7 @@ def test_convert_round_trip():
     keras.utils.set_random_seed(0)
     task = bert()
     converted = keras_fp8.convert(task, policy="fp8_hybrid", exclude="logits")
-    assert len(converted) == 13
+    assert len(converted) == 14  # 13 projections and the token embedding
     compile_task(task)
     x, y, w = batches("bert", 1)[0]
     task.train_on_batch(x, y, w)
@@ -228,8 +249,9 @@ def test_unconvert():
     x = batches("gpt2", 1)[0][0]
     with keras_fp8.autocast(enabled=False):
         expected = predict(task, x)
-    assert len(keras_fp8.unconvert(task)) == 12
+    assert len(keras_fp8.unconvert(task)) == 13  # 12 projections and the head
     assert fp8_layers(task) == []
+    assert type(task.backbone.token_embedding) is keras.layers.ReversibleEmbedding
     assert all(not isinstance(l.dtype_policy, keras_fp8.FP8DTypePolicy) for l in task._flatten_layers())
     np.testing.assert_array_equal(predict(task, x), expected)
     path = os.path.join(tempfile.mkdtemp(), "plain.keras")
@@ -275,3 +297,128 @@ def test_keras_file_from_the_other_backend():
     loaded.train_on_batch(x, y, w)
     for layer in fp8_layers(loaded):
         assert np.count_nonzero(to_numpy(layer.input_amax_history)) == 3, layer.path
+
+
+# --------------------------------------------------------------------------- the vocabulary projection
+class Head(keras.layers.Layer):
+    """A token embedding's reverse call as a layer of its own (what a causal
+    LM's `call` runs last)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+        self.built = embedding.built  # (stateless_call asks for a built layer)
+
+    def call(self, x, training=None):
+        # (`stateless_call` runs `call` outside any call context: pass it on.)
+        return self.embedding(x, reverse=True, training=training)
+
+
+def _assert_close(actual, expected, msg=""):
+    """Element by element, within bfloat16's rounding of the output."""
+    rtol = 2**-7
+    atol = rtol * 1e-2 * max(float(np.abs(expected).max()), 1e-30)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=msg)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_projection_training_calls_equal_the_reference(tied):
+    policy = "fp8_hybrid[history_len=4]"
+    embedding = FP8ReversibleEmbedding(40, 16, tie_weights=tied, dtype=policy, min_gemm_size=0)
+    embedding.build()
+    head = Head(embedding, dtype=policy)
+    ref = ReferenceSteps(layer_state(embedding), embedding.dtype_policy.recipe, embedding.compute_dtype)
+    weights = to_numpy(embedding.embeddings if tied else embedding.reverse_embeddings)
+    kernel = weights.T if tied else weights  # (hidden, vocabulary)
+    pending = embedding.grad_amax_pending
+    for step in range(3):
+        x = rng_normal((2, 5, 16), 10 + step, 1.0 + step)
+        up = rng_normal((2, 5, 40), 20 + step, 10.0**-step)
+        y, dx, grads = train_call_with_grads(head, x, up)
+        ry, rdx, rdk, _ = ref.step(x.reshape(10, 16), kernel, up.reshape(10, 40))
+        _assert_close(y.reshape(10, 40), ry, f"logits, step {step}")
+        _assert_close(dx.reshape(10, 16), rdx, f"dx, step {step}")
+        dk = grads[(embedding.embeddings if tied else embedding.reverse_embeddings).path]
+        _assert_close(dk.T if tied else dk, rdk, f"dkernel, step {step}")
+        pending.assign(grads[pending.path])  # the optimizer's overwrite
+        assert_same_state(embedding, ref.state)
+
+
+def test_lookup_is_unchanged_and_fp8_off_is_keras():
+    keras.utils.set_random_seed(0)
+    plain = keras.layers.ReversibleEmbedding(40, 16, tie_weights=False, dtype="mixed_bfloat16")
+    plain.build()
+    fp8 = FP8ReversibleEmbedding(40, 16, tie_weights=False, dtype="fp8_hybrid", min_gemm_size=0)
+    fp8.build()
+    fp8.embeddings.assign(plain.embeddings)
+    fp8.reverse_embeddings.assign(plain.reverse_embeddings)
+    tokens = np.random.default_rng(0).integers(0, 40, (3, 7)).astype("int32")
+    np.testing.assert_array_equal(to_numpy(fp8(tokens)), to_numpy(plain(tokens)))
+    h = rng_normal((3, 7, 16), 1)
+    with keras_fp8.autocast(enabled=False):
+        off = fp8(h, reverse=True)
+    expected = plain(h, reverse=True)
+    assert keras.backend.standardize_dtype(expected.dtype) == "float32"  # Keras's head
+    assert keras.backend.standardize_dtype(off.dtype) == "float32"
+    np.testing.assert_array_equal(to_numpy(off), to_numpy(expected))
+    assert np.count_nonzero(to_numpy(fp8.input_amax_history)) == 0
+
+
+def test_below_min_gemm_size_the_projection_runs_the_compute_dtype():
+    embedding = FP8ReversibleEmbedding(40, 16, dtype="fp8_hybrid", min_gemm_size=10**9, logit_soft_cap=3.0)
+    embedding.build()
+    h = rng_normal((3, 7, 16), 2)
+    logits = embedding(h, reverse=True, training=True)
+    assert keras.backend.standardize_dtype(logits.dtype) == "bfloat16"
+    x = keras.ops.cast(h, "bfloat16")
+    kernel = keras.ops.cast(keras.ops.transpose(keras.ops.convert_to_tensor(to_numpy(embedding.embeddings))), "bfloat16")
+    expected = keras.ops.matmul(x, kernel)
+    expected = keras.ops.multiply(keras.ops.tanh(keras.ops.divide(expected, 3.0)), 3.0)
+    np.testing.assert_array_equal(to_numpy(logits), to_numpy(expected))
+    assert embedding.fp8_execution()[0] == "bfloat16 (< min_gemm_size)"
+    assert np.count_nonzero(to_numpy(embedding.input_amax_history)) == 0
+
+
+def test_excluded_head_stays_keras_after_reloading():
+    keras.mixed_precision.set_global_policy("fp8_hybrid[exclude=token_embedding]")
+    task = gpt2()
+    assert type(task.backbone.token_embedding) is keras.layers.ReversibleEmbedding
+    assert len(fp8_layers(task)) == 12
+    path = os.path.join(tempfile.mkdtemp(), "gpt2.keras")
+    task.save(path)
+    keras.mixed_precision.set_global_policy("float32")
+    loaded = keras.models.load_model(path, compile=False)
+    assert type(loaded.backbone.token_embedding) is keras.layers.ReversibleEmbedding
+    assert len(fp8_layers(loaded)) == 12
+
+
+def test_reverse_dtype_keeps_the_layer_plain_with_a_warning():
+    keras.mixed_precision.set_global_policy("fp8_hybrid")
+    layer = keras.layers.ReversibleEmbedding(40, 16, reverse_dtype="float32", name="asked_float32")
+    with pytest.warns(UserWarning, match="asked_float32.*reverse_dtype"):
+        layer.build()
+    assert type(layer) is keras.layers.ReversibleEmbedding
+    with pytest.raises(ValueError, match="reverse_dtype"):
+        FP8ReversibleEmbedding(40, 16, reverse_dtype="float32")
+
+
+def test_convert_unconvert_and_quantize_of_the_head():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    task = llama()
+    x = batches("llama", 1)[0][0]
+    expected = predict(task, x)
+    head = task.backbone.token_embedding
+    converted = keras_fp8.convert(task, include="token_embedding", policy="fp8_hybrid")
+    assert converted == [head.path] and type(head) is FP8ReversibleEmbedding
+    with pytest.raises(ValueError, match="unconvert"):
+        head.quantize("int8")
+    path = os.path.join(tempfile.mkdtemp(), "llama.keras")
+    task.save(path)
+    keras.mixed_precision.set_global_policy("float32")
+    loaded = keras.models.load_model(path, compile=False)
+    assert type(loaded.backbone.token_embedding) is FP8ReversibleEmbedding
+    assert keras_fp8.unconvert(task) == [head.path]
+    assert type(head) is keras.layers.ReversibleEmbedding
+    assert not hasattr(head, "input_scale")
+    np.testing.assert_array_equal(predict(task, x), expected)

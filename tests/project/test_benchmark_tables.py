@@ -23,6 +23,7 @@ from benchmarks import model
 from benchmarks import quality
 from benchmarks import quantize
 from benchmarks import timing
+from benchmarks import zoo
 from tests.support.backend_utils import REPO
 
 torch = pytest.importorskip("torch")
@@ -335,6 +336,93 @@ class ModelTest(parameterized.TestCase):
             cls.enabled = False
         self.assertEqual(fast.dtype, plain.dtype)
         torch.testing.assert_close(fast, plain, rtol=0, atol=0)
+
+
+def _zoo_records(p):
+    row = "llama/large/keras-torch"
+    out = [{"env": {"gpu": "H100", "torch": "2.13"}}]
+    for v, ms in (("mixed_bfloat16", 300.0 + p), ("fp8_hybrid", 200.0), ("keras_float8", 250.0)):
+        out.append({"variant": v, "row": row, "ms": ms, "tok_per_s": 8192 / ms * 1e3, "mem_gib": 10.0,
+                    "resident_gib": 20.0, "peak_gib": 30.0, "warmup_s": 12.0})
+    out.append({"variant": "fp8_hybrid+compiled", "row": row,
+                "error": "VariantTimeout: fp8_hybrid+compiled fit: no result within 120 s"})
+    out.append({"variant": "torch-bf16", "row": "llama/large/torch", "ms": 150.0, "tok_per_s": 1.0})
+    out.append({"variant": "torchao", "row": "llama/large/torch", "ms": 120.0, "tok_per_s": 1.0})
+    categories = dict.fromkeys(zoo.CATEGORY_NAMES, 10.0)
+    for policy in ("mixed_bfloat16", "fp8_hybrid"):
+        out.append({"profile": {"wall_ms": 300.0, "categories": categories, "top": []}, "row": row, "of": policy})
+    out.append({"roofline": True, "row": row, "shapes": [], "gemm_plain_ms": 120.0, "gemm_fp8_ms": 60.0,
+                "rest_ms": 180.0 + p, "roofline_ms": 240.0 + p, "fp8_ms": 200.0, "fraction": (240.0 + p) / 200.0})
+    out.append({"roofline": True, "row": "llama/large/keras-jax", "shapes": [], "skipped": "GPU only"})
+    out.append({"variant": "fp8_hybrid", "row": row + "/max-batch", "max_batch": 12 + p, "capped": False})
+    return out
+
+
+class ZooTest(parameterized.TestCase):
+    def test_arguments(self):
+        args = zoo.parse_args([])
+        self.assertEqual((args.model_list, args.size_list), (["llama"], ["large"]))
+        cfg = zoo.config(args, "llama", "large")
+        self.assertEqual((cfg.layers, cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.vocab, cfg.seq, cfg.batch),
+                         (4, 4096, 14336, 32, 8, 32000, 2048, 4))
+        self.assertEqual(zoo.config(zoo.parse_args(["--seq", "1024"]), "gpt2", "small").seq, 1024)
+        self.assertEqual(zoo.keras_variants(args, "torch"),
+                         ["mixed_bfloat16", "fp8_hybrid", "keras_float8", "mixed_bfloat16+compiled",
+                          "fp8_hybrid+compiled"])
+        self.assertEqual(zoo.keras_variants(args, "jax"), ["mixed_bfloat16", "fp8_hybrid", "keras_float8"])
+        self.assertEqual(zoo.parse_args(["--dry-run"]).size_list, ["tiny"])
+        for bad in (["--models", "llama,t5"], ["--sizes", "huge"], ["--steps", "1"], ["--compile-budget", "0"]):
+            with self.assertRaises(SystemExit):
+                zoo.parse_args(bad)
+        for name in zoo.MODELS:  # every size is a valid attention layout
+            for size in zoo.SIZES[name]:
+                zoo.config(args, name, size)
+
+    def test_categories(self):
+        self.assertEqual(zoo.categorize("sm90_xmma_gemm_e4m3e4m3_bf16_tn"), "FP8 GEMMs")
+        self.assertEqual(zoo.categorize("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT"), "other GEMMs")
+        self.assertEqual(zoo.categorize("void quantize_kernel<__nv_fp8_e4m3>(...)"), "quantize")
+        self.assertEqual(zoo.categorize("flash_fwd_kernel<Flash_fwd_kernel_traits>"), "attention")
+        self.assertEqual(zoo.categorize("cunn_SpatialSoftMaxForward<float>"), "loss")
+        self.assertEqual(zoo.categorize("multi_tensor_apply_kernel<FusedAdamMathFunctor>"), "optimizer")
+        self.assertEqual(zoo.categorize("vectorized_elementwise_kernel<mul>"), "norms and element-wise")
+
+    def test_tables(self):
+        text = zoo.tables([_zoo_records(p) for p in range(3)])
+        rows = _rows(text, zoo.HEADER)
+        self.assertLen(rows, 6)
+        self.assertEqual({_cols(r) for r in rows}, {_cols(zoo.HEADER)})
+        self.assertIn("| llama (large) | Keras, torch backend | fp8_hybrid | 200.0 [200.0-200.0] | 40960 [40960-40960] "
+                      "| 1.50x [1.50-1.51] | 1.25x [1.25-1.25] | 10.00 [10.00-10.00] | 30.00 [30.00-30.00] "
+                      "| 12 [12-12] |", text)
+        self.assertIn("n/a (error: VariantTimeout: fp8_hybrid+compiled fit: no result within 120 s)", text)
+        profile = _rows(text, zoo.PROFILE_HEADER)
+        self.assertLen(profile, len(zoo.CATEGORY_NAMES) + 1)
+        roofline = _rows(text, zoo.ROOFLINE_HEADER)
+        self.assertIn("| 120.0 [120.0-120.0] | 60.0 [60.0-60.0] | 181.0 [180.0-182.0] | 241.0 [240.0-242.0] "
+                      "| 200.0 [200.0-200.0] | 120% [120-121] |", roofline[0])
+        self.assertIn("n/a (GPU only)", roofline[1])
+        self.assertEqual(_rows(text, zoo.MAX_BATCH_HEADER), ["| llama (large) | Keras, torch backend | fp8_hybrid "
+                                                             "| 13 [12-14] |"])
+
+    def test_dry_run_worker(self):
+        # The tiny Llama on the CPU: every Keras variant, the compiled ones
+        # cut off by their budget (recorded, the run goes on).
+        if keras.backend.backend() != "torch":
+            self.skipTest("one backend is enough for the worker's bookkeeping (JAX compiles each variant)")
+        records = _run_worker(zoo, ["--dry-run", "--compile-budget", "0.2"])
+        by_variant = {r["variant"]: r for r in records if "variant" in r}
+        for name in ("mixed_bfloat16", "fp8_hybrid", "keras_float8"):
+            self.assertGreater(by_variant[name]["ms"], 0, name)
+            self.assertTrue(math.isfinite(by_variant[name]["loss_last"]), name)
+        for name in ("mixed_bfloat16+compiled", "fp8_hybrid+compiled"):
+            self.assertIn("no result within 0 s", by_variant[name]["error"])
+        self.assertEqual(by_variant["torchao"]["skipped"], "GPU only")
+        roofline = [r for r in records if "roofline" in r]
+        self.assertEqual(roofline[0]["skipped"], "GPU only")
+        # The FP8 layers' GEMMs, the vocabulary projection's flagged.
+        self.assertIn([64, 64, 256, True, 1], roofline[0]["shapes"])
+        self.assertIn("| llama (tiny) |", zoo.tables([records]))
 
 
 def _run_result(v):
