@@ -56,7 +56,7 @@ class SettingsTest(parameterized.TestCase):
         st = torch_ops.FP8LinearState.create(4)
         previous = torch_ops.set_settings(min_gemm_size=10**9)
         try:
-            torch_ops.fp8_linear(torch.randn(2, 8), torch.randn(4, 8), state=st)
+            torch_ops.fp8_linear(torch.randn(2, 8), torch.randn(4, 8), None, st)
         finally:
             torch_ops.set_settings(previous)
         self.assertEqual(float(st.input_amax_history.abs().max()), 0.0)  # the compute-dtype path
