@@ -33,8 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.utils._pytree as pytree
 
