@@ -363,6 +363,53 @@ class FoldedTest(parameterized.TestCase):
             folded(torch.randn(4, 16), torch.randn(16, 8), **kwargs)
 
 
+class LinearConfigTest(parameterized.TestCase):
+    @parameterized.parameters(
+        (dict(fp8_format="e5m2"), "fp8_format: expected one of"),
+        (dict(scaling="tensor"), "scaling: expected one of"),
+        (dict(margin=-1), "margin: expected a number from 0 to 8"),
+        (dict(amax_compute_algo="mean"), "amax_compute_algo: expected one of"),
+        (dict(fold_window=0), "fold_window: expected None or an integer >= 1, got 0"),
+        (dict(fast_accum_dgrad=1), "fast_accum_dgrad: expected a bool, got 1"),
+        (dict(weight_layout="nk"), "weight_layout: expected one of"),
+        (dict(min_gemm_size=-1), "min_gemm_size: expected None or an integer >= 0"),
+    )
+    def test_a_bad_field_is_named_once_at_construction(self, fields, message):
+        with self.assertRaisesRegex(ValueError, message):
+            torch_ops.LinearConfig(**fields)
+
+    def test_frozen_hashable_and_replaced(self):
+        config = torch_ops.LinearConfig(margin=1)
+        self.assertEqual(config.margin, 1.0)
+        self.assertEqual(config.grad_dtype, torch.float8_e5m2)
+        with self.assertRaises(dataclasses.FrozenInstanceError):
+            config.margin = 2.0
+        self.assertEqual({config: 1}[torch_ops.LinearConfig(margin=1.0)], 1)
+        self.assertEqual(config.replace(fp8_format="e4m3").grad_dtype, torch.float8_e4m3fn)
+        with self.assertRaisesRegex(ValueError, "scaling"):
+            config.replace(scaling="x")
+
+    def test_fast_accumulation_reaches_each_gemm(self):
+        """The config's per-GEMM fast accumulation is what each GEMM gets."""
+        seen = []
+        original = L.ops.gemm
+
+        def gemm(a, b, sa, sb, bias, out_dtype, fast, autotune):
+            seen.append(fast)
+            return original(a, b, sa, sb, bias, out_dtype, fast, autotune)
+
+        x, w, b, gy = make(8, 16, 4, device="cpu")
+        with mock.patch.object(L.ops, "gemm", gemm):
+            run_linear(linear, x, w, b, gy, torch_ops.FP8LinearState.create(4), min_gemm_size=0,
+                       fast_accum_forward=False, fast_accum_dgrad=True, fast_accum_wgrad=True)
+        self.assertEqual(seen, [False, True, True])
+
+    def test_config_must_be_a_linear_config(self):
+        with self.assertRaisesRegex(TypeError, "config: expected a torch_ops.LinearConfig, got dict"):
+            torch_ops.fp8_linear(torch.randn(2, 8), torch.randn(4, 8), None, torch_ops.FP8LinearState.create(4),
+                                 {"scaling": "current"})
+
+
 class BadInputTest(parameterized.TestCase):
     def test_bad_inputs_name_the_argument(self):
         st = torch_ops.FP8LinearState.create(4)
