@@ -329,7 +329,7 @@ class OtherBackendTest(parameterized.TestCase):
         workdir = tempfile.mkdtemp()
         script = (
             "import json, numpy as np, keras, keras_fp8\n"
-            "from tests.test_round_trips import functional, data, compile_model, train, predict\n"
+            "from tests.keras.test_round_trips import functional, data, compile_model, train, predict\n"
             "keras.utils.set_random_seed(2)\n"
             f"keras.mixed_precision.set_global_policy({POLICY!r}); m = functional()\n"
             "x, y = data(); compile_model(m); train(m, x, y)\n"
