@@ -156,7 +156,7 @@ def predictions(policy, seed=0):
 def test_torch_and_jax_agree(tmp_path):
     policy = "fp8_e4m3[scaling=block]"
     out = str(tmp_path / "y.npy")
-    script = f"import numpy as np\nfrom tests.test_block_scaling import predictions\nnp.save({out!r}, predictions({policy!r}))\n"
+    script = f"import numpy as np\nfrom tests.keras.test_block_scaling import predictions\nnp.save({out!r}, predictions({policy!r}))\n"
     run_under_other_backend(script)
     # The same bytes and scales on both backends; the matmuls differ in
     # summation order (and, on GPUs, in the tensor cores' partial sums), then

@@ -40,7 +40,7 @@ def test_torch_and_jax_states_are_bit_identical(tmp_path):
     out = str(tmp_path / "state.npz")
     script = (
         "import numpy as np\n"
-        "from tests.test_cross_backend_state import run_steps\n"
+        "from tests.keras.test_cross_backend_state import run_steps\n"
         f"np.savez({out!r}, **run_steps({policy!r}))\n"
     )
     run_under_other_backend(script, TORCH_OPS_DISABLE="0")

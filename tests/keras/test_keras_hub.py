@@ -252,7 +252,7 @@ def test_keras_file_from_the_other_backend():
     workdir = tempfile.mkdtemp()
     script = (
         "import numpy as np, keras, keras_fp8\n"
-        "from tests.test_keras_hub import gpt2, batches, compile_task\n"
+        "from tests.keras.test_keras_hub import gpt2, batches, compile_task\n"
         "keras.mixed_precision.set_global_policy('fp8_hybrid[min_gemm_size=0]')\n"
         "keras.utils.set_random_seed(0)\n"
         # Compiled: one program costs less than the eager steps' many.

@@ -86,7 +86,7 @@ class SavingTest(parameterized.TestCase):
         workdir = tempfile.mkdtemp()
         script = (
             "import numpy as np, keras, keras_fp8\n"
-            "from tests.test_saving import make_model, data, all_state\n"
+            "from tests.keras.test_saving import make_model, data, all_state\n"
             # min_gemm_size=0: FP8 GEMMs on the torch GPU path too (JAX has no
             # bf16 fallback), so both backends predict with the same numerics.
             "keras.mixed_precision.set_global_policy("
