@@ -17,7 +17,7 @@ within each process:
 
 One step is the layer's forward on a bf16 x (training=True) and the
 backward of a random bf16 output gradient, giving dx and the kernel's
-gradient. torch: eager autograd (the FP8 layers' `fast_layer_call` path),
+gradient. torch: eager autograd (each layer called through `Layer.__call__`),
 timed by CUDA events. JAX: one jitted `stateless_call` + `jax.vjp` per step
 (the FP8 state threaded from step to step), timed to `block_until_ready` of
 all its outputs (y, dx, the variables' gradients, the new state; without y

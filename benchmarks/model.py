@@ -18,9 +18,9 @@ the first step of each call left out):
 
 - `mixed_bfloat16`: the projections are `keras.layers.Dense`;
 - `mixed_bfloat16+shortcut` (torch): the same model and weights, its
-  projections' eager calls skipping Keras's `Layer.__call__` as the FP8
-  layers' host-path shortcut (`keras_fp8.backends.torch.fast_layer_call`)
-  does: the ablation that separates the shortcut's gain from FP8's;
+  projections' eager calls skipping Keras's `Layer.__call__`: the ablation
+  that measures what `Layer.__call__`'s host time costs the model (the FP8
+  layers, like every Keras layer, go through it);
 - `fp8_hybrid` (and any other FP8 policy in `--policies`): the projections
   are `FP8Dense`;
 - `fp8_hybrid+monitor` (`--monitor`): the same FP8 model, its `fit` with
@@ -148,9 +148,9 @@ def data(args):
 # --------------------------------------------------------------------------- Keras
 def shortcut_dense_class():
     """`keras.layers.Dense` whose eager call on a plain torch tensor in its
-    compute dtype skips `Layer.__call__` while `ShortcutDense.enabled`: what
-    the FP8 layers' `fast_layer_call` does, given to the bf16 layer (no bias,
-    no activation: the decoder's projections)."""
+    compute dtype skips `Layer.__call__` while `ShortcutDense.enabled` (no
+    bias, no activation: the decoder's projections): the host time of
+    `Layer.__call__`, measured."""
     import keras
     import torch
 

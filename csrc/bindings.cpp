@@ -107,13 +107,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x, prev_scale, fmt, mdiv, transpose, pad, write_q -> (q, qt, scale_used, amax)");
   m.def("record_amax", &record_amax, "history, scale, amax, fmt, mdiv, algo, skip_zero");
   m.def("gemm", &torch_ops::fp8_gemm, "a, b, scale_a, scale_b, bias, out_dtype, fast_accum, autotune -> out");
+  py::class_<torch_ops::LinearOptions>(m, "LinearOptions",
+                                       "torch_ops.LinearConfig as the eager entry reads it (common.h)")
+      .def(py::init<>())
+      .def_readwrite("grad_dtype", &torch_ops::LinearOptions::grad_dtype)
+      .def_readwrite("current_scaling", &torch_ops::LinearOptions::current_scaling)
+      .def_readwrite("margin_multiplier", &torch_ops::LinearOptions::margin_multiplier)
+      .def_readwrite("amax_algorithm", &torch_ops::LinearOptions::amax_algorithm)
+      .def_readwrite("fold_window", &torch_ops::LinearOptions::fold_window)
+      .def_readwrite("in_out", &torch_ops::LinearOptions::in_out)
+      .def_readwrite("fast_accum_forward", &torch_ops::LinearOptions::fast_accum_forward)
+      .def_readwrite("fast_accum_dgrad", &torch_ops::LinearOptions::fast_accum_dgrad)
+      .def_readwrite("fast_accum_wgrad", &torch_ops::LinearOptions::fast_accum_wgrad);
   m.def("linear", &torch_ops::linear,
-        "x, weight, bias, state[6], grad_fmt, scaling, mdiv, algo, in_out, training, record_inputs, sink, autotune "
-        "-> out "
-        "(None: a tensor is not plain, take the Python path)");
-  m.def("linear_folded", &torch_ops::linear_folded,
-        "x, weight, bias, pending, fold_state, state[6], grad_fmt, scaling, mdiv, algo, window, in_out, training, "
-        "record_inputs, autotune -> out (None: a tensor is not plain)");
+        "x, weight, bias, state[6], grad_amax_pending, grad_fold_state, options, training, record_inputs, "
+        "autotune -> out (every argument checked by torch_ops/linear.py)");
+  m.def(
+      "constants",
+      []() {
+        py::dict d;
+        d["fp8_format_ids"] = py::make_tuple(fp8_kernels::kE4M3, fp8_kernels::kE5M2);
+        d["fp8_max"] = py::make_tuple(fp8_kernels::kE4M3Max, fp8_kernels::kE5M2Max);
+        d["amax_compute_algo_ids"] = py::make_tuple(fp8_kernels::kAmaxMax, fp8_kernels::kAmaxMostRecent);
+        d["min_scale"] = (double)fp8_kernels::kMinScale;
+        d["fold_count_period"] = (double)fp8_kernels::kFoldCountPeriod;
+        d["max_history_len"] = fp8_kernels::kMaxHistoryLen;
+        return d;
+      },
+      "the numerics constants the kernels are built with (torch_ops/extension.py compares them with "
+      "torch_ops/reference.py's at load)");
   m.def("quantize_tiles", &torch_ops::quantize_tiles,
         "x, fmt, transposed, mult, power_of_two -> (q, scales): 1 x 128 tiles of x's rows (or columns, transposed)");
   m.def("quantize_blocks", &torch_ops::quantize_blocks,

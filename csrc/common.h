@@ -1,8 +1,9 @@
 #pragma once
-// The C++ API between the extension's translation units, and the checks and
-// helpers they share. bindings.cpp exposes these to Python (torch_ops/ops.py
-// and torch_ops/linear.py); torch_ops/reference.py is the reference of every
-// numerics rule they implement.
+// The torch bindings' C++ API between the extension's translation units, and
+// the checks and helpers they share: PyTorch tensors around the
+// framework-free kernels of fp8_kernels.h. bindings.cpp exposes these to
+// Python (torch_ops/ops.py and torch_ops/linear.py); torch_ops/reference.py
+// is the reference of every numerics rule they implement.
 //
 // Integers go into error messages as std::to_string(...), shapes through
 // shape_str: with torch 2.11 and g++ 13, a TORCH_CHECK message that streamed
@@ -22,6 +23,18 @@
 #include <vector>
 
 namespace torch_ops {
+// The framework-free kernels' constants and call descriptions the torch
+// bindings share (fp8_kernels.h).
+using fp8_kernels::FoldJob;
+using fp8_kernels::kAmaxMax;
+using fp8_kernels::kAmaxMostRecent;
+using fp8_kernels::kE4M3;
+using fp8_kernels::kE4M3Max;
+using fp8_kernels::kE5M2;
+using fp8_kernels::kE5M2Max;
+using fp8_kernels::kMaxHistoryLen;
+using fp8_kernels::QuantizeExtras;
+
 // "(4, 7)" / "(5,)" as Python prints a shape tuple.
 inline std::string shape_str(const at::Tensor& t) {
   std::string s = "(";
@@ -54,7 +67,7 @@ struct DeviceScope {
   c10::cuda::OptionalCUDAGuard guard;
   explicit DeviceScope(const at::Tensor& t) {
     int current = -1;
-    TORCH_OPS_CUDA_CHECK(cudaGetDevice(&current));
+    FP8_KERNELS_CUDA_CHECK(cudaGetDevice(&current));
     if (current != t.get_device()) guard.set_index(t.get_device());
   }
 };
@@ -136,12 +149,28 @@ at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& a_scales, const at:
 // ---------------------------------------------------------------------------
 // linear.cpp: the eager entry of torch_ops/linear.py (see there)
 
+// torch_ops.LinearConfig as the eager entry reads it: built once per config
+// (torch_ops/linear.py's native_options), bound to Python as LinearOptions.
+// Hidden, as pybind11's own types are: a bound type must not be more
+// visible than pybind11's base class of it.
+struct __attribute__((visibility("hidden"))) LinearOptions {
+  at::ScalarType grad_dtype = at::kFloat8_e5m2;  // the output gradient's FP8 dtype
+  bool current_scaling = false;                  // false: delayed scaling
+  double margin_multiplier = 1.0;                // 2**margin, a float32 value
+  int64_t amax_algorithm = kAmaxMax;             // kAmaxMax or kAmaxMostRecent
+  int64_t fold_window = 0;                       // the gradient fold's "max" window; 0: the whole history
+  bool in_out = false;                           // the weight is (K, N)
+  bool fast_accum_forward = true;                // cuBLASLt's fast accumulation, per GEMM
+  bool fast_accum_dgrad = false;
+  bool fast_accum_wgrad = false;
+};
+
+// The FP8 linear: x (..., K), weight (N, K) or (K, N) (in_out), bias (N,)
+// or none, state the six float32 tensors of torch_ops.FP8LinearState in
+// field order, and optionally its gradient channel (pending, fold_state).
+// Every argument checked by the caller. Returns (..., N) in x's dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  const std::vector<at::Tensor>& state, int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo,
-                  bool in_out, bool training, bool record_inputs, const c10::optional<at::Tensor>& sink,
-                  bool autotune);
-at::Tensor linear_folded(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                         const at::Tensor& pending, const at::Tensor& fold_state, const std::vector<at::Tensor>& state,
-                         int64_t grad_fmt, int64_t scaling, double mdiv, int64_t algo, int64_t window, bool in_out,
-                         bool training, bool record_inputs, bool autotune);
+                  const std::vector<at::Tensor>& state, const c10::optional<at::Tensor>& grad_amax_pending,
+                  const c10::optional<at::Tensor>& grad_fold_state, const LinearOptions& options, bool training,
+                  bool record_inputs, bool autotune);
 }  // namespace torch_ops

@@ -12,7 +12,7 @@
 #include "cuda_common.h"
 #include "fold_block.cuh"
 
-namespace torch_ops {
+namespace fp8_kernels {
 namespace {
 
 constexpr int kRedWords = 64;  // shared words of the block reductions (two values)
@@ -29,7 +29,7 @@ struct Finalize {
   long long H;
   float* scale_state;      // next scale is written here when recording
   const float* scale_used; // the scale this call quantized with
-  int algo;                // 0 max, 1 most_recent
+  int algo;                // kAmaxMax or kAmaxMostRecent
   float fmax;
   float mdiv;              // the margin's factor, 2**margin as float32
   int skip_zero;
@@ -110,7 +110,7 @@ __device__ void record_in_block(float amax, const Finalize& f, unsigned* smem) {
     __syncthreads();
   }
   float window;
-  if (f.algo == 1) {
+  if (f.algo == kAmaxMostRecent) {
     window = H > 0 ? f.history[0] : 0.f;
   } else {
     unsigned m = 0u;
@@ -159,7 +159,7 @@ __device__ __forceinline__ float record_scale_used(float amax, float prev, bool 
 // newest before, `newest`), max (algo 0) the window's maximum bits `m`.
 __device__ __forceinline__ float record_next_scale(float amax, bool shifted, float newest, unsigned m, long long H,
                                                    float used, const Finalize& f) {
-  const float window = f.algo == 1 ? (H > 0 ? (shifted ? amax : newest) : 0.f) : __uint_as_float(m);
+  const float window = f.algo == kAmaxMostRecent ? (H > 0 ? (shifted ? amax : newest) : 0.f) : __uint_as_float(m);
   return compute_scale(window, used, f.fmax, f.mdiv);
 }
 
@@ -335,7 +335,7 @@ __device__ void block_done(unsigned block_max, const Finalize& f, unsigned* smem
 }
 
 // The largest finite value of an FP8 format (0 E4M3, 1 E5M2).
-inline float fmax_of(int fmt) { return fmt == 1 ? 57344.0f : 448.0f; }
+inline float fmax_of(int fmt) { return (float)(fmt == kE5M2 ? kE5M2Max : kE4M3Max); }
 
 }  // namespace
-}  // namespace torch_ops
+}  // namespace fp8_kernels

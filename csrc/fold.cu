@@ -8,16 +8,9 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "common.h"
-#include "fold_block.cuh"
+#include "fp8_kernels.h"
 
 namespace torch_ops {
-namespace {
-
-constexpr int kThreads = 256;
-
-__global__ void __launch_bounds__(kThreads) fold_grad_amax_kernel(FoldJob j) { fold_block(j); }
-
-}  // namespace
 
 FoldOutputs prepare_fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state, const at::Tensor& history,
                                    const at::Tensor& scale, double inv_max, double mdiv, int algo, long long window,
@@ -27,7 +20,9 @@ FoldOutputs prepare_fold_grad_amax(const at::Tensor& pending, const at::Tensor& 
   check_f32_state(fold_state, "fold_state", pending, 3, true);
   check_f32_state(history, "amax_history", pending, -1, true);
   check_f32_state(scale, "scale", pending, 1, false);
-  TORCH_CHECK(history.numel() >= 1 && history.numel() < (1LL << 31), "amax_history: expected 1 to 2**31-1 entries");
+  TORCH_CHECK(history.numel() >= 1 && history.numel() <= kMaxHistoryLen,
+              "amax_history: expected 1 to ", std::to_string(kMaxHistoryLen), " entries, got ",
+              std::to_string(history.numel()));
   TORCH_CHECK(window >= 1, "window: expected >= 1, got ", std::to_string(window));
   FoldOutputs o;
   const int H = static_cast<int>(history.numel());
@@ -46,15 +41,14 @@ FoldOutputs prepare_fold_grad_amax(const at::Tensor& pending, const at::Tensor& 
   j.window = static_cast<int>(std::min<long long>(window, H));
   j.inv_max = static_cast<float>(inv_max);
   j.mdiv = static_cast<float>(mdiv);
-  j.most_recent = algo == 1 ? 1 : 0;
+  j.most_recent = algo == kAmaxMostRecent ? 1 : 0;
   j.update_scale = update_scale ? 1 : 0;
   return o;
 }
 
 void fold_launch(const at::Tensor& like, const FoldJob& job) {
   const DeviceScope device_scope(like);
-  fold_grad_amax_kernel<<<1, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(job);
-  TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+  fp8_kernels::fold_run(job, c10::cuda::getCurrentCUDAStream());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_grad_amax(const at::Tensor& pending, const at::Tensor& fold_state,

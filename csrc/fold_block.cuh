@@ -15,10 +15,8 @@
 
 #include "cuda_common.h"
 
-namespace torch_ops {
+namespace fp8_kernels {
 namespace {
-
-constexpr float kFoldCountPeriod = 1048576.0f;  // 2**20
 
 // torch's max: NaN wins.
 __device__ __forceinline__ float nan_max(float a, float b) { return (isnan(b) || b > a) ? b : a; }
@@ -64,5 +62,15 @@ __device__ void fold_block(const FoldJob& j) {
   __syncthreads();  // the block may reuse `partial`'s neighbours next
 }
 
+constexpr int kFoldThreads = 256;
+
+__global__ void __launch_bounds__(kFoldThreads) fold_grad_amax_kernel(FoldJob j) { fold_block(j); }
+
+// The fold `job` describes, as one launch of one block on `stream`.
+inline void fold_run(const FoldJob& job, cudaStream_t stream) {
+  fold_grad_amax_kernel<<<1, kFoldThreads, 0, stream>>>(job);
+  FP8_KERNELS_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
-}  // namespace torch_ops
+}  // namespace fp8_kernels

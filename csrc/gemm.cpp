@@ -14,12 +14,12 @@
 #include <vector>
 
 #include "common.h"
-#include "lt_gemm.h"
+#include "fp8_kernels.h"
 
 namespace torch_ops {
 namespace {
 
-using fp8lt::kWorkspaceBytes;
+using fp8_kernels::cublaslt::kWorkspaceBytes;
 
 cudaDataType_t fp8_type(const at::Tensor& t, const char* name) {
   if (t.scalar_type() == at::kFloat8_e4m3fn) return CUDA_R_8F_E4M3;
@@ -126,7 +126,7 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
   // add it afterwards (one small pass) instead of relying on a combination
   // some cuBLASLt versions reject.
   const bool want_bias_fused = bias.has_value() && od != at::kFloat;
-  fp8lt::GemmCall call;
+  fp8_kernels::cublaslt::GemmCall call;
   call.device = (int)a.get_device();
   call.stream = c10::cuda::getCurrentCUDAStream();
   call.a = a.data_ptr();
@@ -148,16 +148,16 @@ at::Tensor fp8_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Te
   call.bias_type = od == at::kHalf ? CUDA_R_16F : CUDA_R_16BF;
   call.fast_accum = fast_accum;
   call.autotune = autotune;
-  fp8lt::GemmStatus status = fp8lt::GemmStatus::kNoKernel;
+  fp8_kernels::cublaslt::GemmStatus status = fp8_kernels::cublaslt::GemmStatus::kNoKernel;
   try {
-    status = fp8lt::scaled_gemm(call);
-  } catch (const fp8lt::Error& e) {
+    status = fp8_kernels::cublaslt::scaled_gemm(call);
+  } catch (const fp8_kernels::cublaslt::Error& e) {
     TORCH_CHECK(false, "torch_ops: ", e.what());
   }
   // No cuBLASLt FP8 kernel for this combination on this GPU: stay correct.
-  if (status == fp8lt::GemmStatus::kNoKernel) return fallback_gemm(a_in, b_in, scale_a, scale_b, bias, od);
+  if (status == fp8_kernels::cublaslt::GemmStatus::kNoKernel) return fallback_gemm(a_in, b_in, scale_a, scale_b, bias, od);
   if (Np != N) out = out.narrow(1, 0, N).contiguous();
-  const bool bias_added = want_bias_fused && status == fp8lt::GemmStatus::kDone;
+  const bool bias_added = want_bias_fused && status == fp8_kernels::cublaslt::GemmStatus::kDone;
   if (bias.has_value() && !bias_added) out.add_(bias->to(od));
   return out;
 }
@@ -207,7 +207,7 @@ struct BlockPlan {
   cublasLtMatmulAlgo_t algo;
   bool bias_fused;
   bool pad_rows;  // M and N padded to multiples of 128 (some shapes need it)
-  std::shared_ptr<fp8lt::Descs> ds;
+  std::shared_ptr<fp8_kernels::cublaslt::Descs> ds;
 };
 std::map<BlockKey, BlockPlan> g_block_plans;
 std::map<BlockKey, bool> g_block_unsupported;
@@ -253,11 +253,11 @@ at::Tensor block_gemm(const at::Tensor& a_in, const at::Tensor& a_scales, const 
   const int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
   const int32_t mode_b =
       b_tiles ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-  cublasLtHandle_t handle = fp8lt::handle(a_in.get_device());
+  cublasLtHandle_t handle = fp8_kernels::cublaslt::handle(a_in.get_device());
   BlockPlan plan;
   bool have = false;
   {
-    std::lock_guard<std::mutex> lk(fp8lt::lock());
+    std::lock_guard<std::mutex> lk(fp8_kernels::cublaslt::lock());
     if (g_block_unsupported.count(key)) return at::Tensor();
     auto it = g_block_plans.find(key);
     if (it != g_block_plans.end()) {
@@ -285,8 +285,8 @@ at::Tensor block_gemm(const at::Tensor& a_in, const at::Tensor& a_scales, const 
       for (int attempt = 0; attempt < 2 && !have; ++attempt) {
         const bool fused = want_bias_fused && attempt == 0;
         if (attempt == 1 && !want_bias_fused) break;
-        auto ds = std::make_shared<fp8lt::Descs>();
-        fp8lt::make_descs(*ds, ta, tb, td, Mp, Nr, Kp, a.stride(0), b.stride(0), round16(Nr), false, sa_p.data_ptr<float>(),
+        auto ds = std::make_shared<fp8_kernels::cublaslt::Descs>();
+        fp8_kernels::cublaslt::make_descs(*ds, ta, tb, td, Mp, Nr, Kp, a.stride(0), b.stride(0), round16(Nr), false, sa_p.data_ptr<float>(),
                    sb_p.data_ptr<float>(), fused ? bias->data_ptr() : nullptr, tbias, mode_a, mode_b);
         cublasLtMatmulHeuristicResult_t res{};
         int count = 0;
@@ -301,7 +301,7 @@ at::Tensor block_gemm(const at::Tensor& a_in, const at::Tensor& a_scales, const 
         have = true;
       }
     }
-    std::lock_guard<std::mutex> lk(fp8lt::lock());
+    std::lock_guard<std::mutex> lk(fp8_kernels::cublaslt::lock());
     if (!have) {
       // No block-scaled kernel for this combination here: the caller runs
       // the reference (torch_ops/ops.py warns once).
@@ -325,11 +325,11 @@ at::Tensor block_gemm(const at::Tensor& a_in, const at::Tensor& a_scales, const 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   void* ws = lt_workspace(a, stream);
   {
-    std::lock_guard<std::mutex> lk(fp8lt::lock());
-    fp8lt::Descs& ds = *plan.ds;
-    fp8lt::set_call_pointers(ds, sa_p.data_ptr<float>(), sb_p.data_ptr<float>(),
+    std::lock_guard<std::mutex> lk(fp8_kernels::cublaslt::lock());
+    fp8_kernels::cublaslt::Descs& ds = *plan.ds;
+    fp8_kernels::cublaslt::set_call_pointers(ds, sa_p.data_ptr<float>(), sb_p.data_ptr<float>(),
                       plan.bias_fused ? bias->data_ptr() : nullptr);
-    FP8LT_CHECK(cublasLtMatmul(handle, ds.op, &alpha, b.data_ptr(), ds.a, a.data_ptr(), ds.b, &beta, out.data_ptr(),
+    CUBLASLT_CHECK(cublasLtMatmul(handle, ds.op, &alpha, b.data_ptr(), ds.a, a.data_ptr(), ds.b, &beta, out.data_ptr(),
                                ds.d, out.data_ptr(), ds.d, &plan.algo, ws, kWorkspaceBytes, stream));
   }
   if (Mp != M || ldd != N) out = out.narrow(0, 0, M).narrow(1, 0, N).contiguous();

@@ -11,7 +11,7 @@
 //   scale_a, scale_b: float32 scalars (device memory);
 //   bias: (N,) in the output dtype, read where has_bias is 1.
 // Results: out (M, N) in bfloat16, float16 or float32 (N a multiple of 8),
-// and a uint8 workspace of fp8lt::kWorkspaceBytes (XLA's buffer, so that
+// and a uint8 workspace of fp8_kernels::cublaslt::kWorkspaceBytes (XLA's buffer, so that
 // its lifetime follows the stream).
 // Attributes (int32): fast_accum, autotune, has_bias (0 or 1).
 
@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <string>
 
-#include "lt_gemm.h"
+#include "fp8_kernels.h"
 #include "jax_ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -54,7 +54,7 @@ ffi::Error ScaledGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                           ffi::Buffer<ffi::F32> scale_a, ffi::Buffer<ffi::F32> scale_b, ffi::AnyBuffer bias,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
                           int32_t fast_accum, int32_t autotune, int32_t has_bias) {
-  fp8lt::GemmCall call;
+  fp8_kernels::cublaslt::GemmCall call;
   if (!fp8_data_type(a.element_type(), &call.a_type) || !fp8_data_type(b.element_type(), &call.b_type))
     return ffi::Error::InvalidArgument("a, b: expected float8_e4m3fn or float8_e5m2 operands");
   if (call.a_type == CUDA_R_8F_E5M2 && call.b_type == CUDA_R_8F_E5M2)
@@ -72,8 +72,8 @@ ffi::Error ScaledGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
   if (K % 16 != 0 || N % 8 != 0)
     return ffi::Error::InvalidArgument("a, b: expected K a multiple of 16 and N of 8, got K " + std::to_string(K) +
                                        ", N " + std::to_string(N));
-  if (workspace->element_count() < fp8lt::kWorkspaceBytes)
-    return ffi::Error::InvalidArgument("workspace: expected " + std::to_string(fp8lt::kWorkspaceBytes) + " bytes");
+  if (workspace->element_count() < fp8_kernels::cublaslt::kWorkspaceBytes)
+    return ffi::Error::InvalidArgument("workspace: expected " + std::to_string(fp8_kernels::cublaslt::kWorkspaceBytes) + " bytes");
   if (has_bias && (bias.element_type() != out->element_type() || bias.element_count() != (size_t)N ||
                    out->element_type() == ffi::DataType::F32))
     return ffi::Error::InvalidArgument("bias: expected (" + std::to_string(N) +
@@ -98,17 +98,17 @@ ffi::Error ScaledGemmImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
   call.fast_accum = fast_accum != 0;
   call.autotune = autotune != 0;
   try {
-    switch (fp8lt::scaled_gemm(call)) {
-      case fp8lt::GemmStatus::kDone: return ffi::Error::Success();
+    switch (fp8_kernels::cublaslt::scaled_gemm(call)) {
+      case fp8_kernels::cublaslt::GemmStatus::kDone: return ffi::Error::Success();
       // The Python side asks for the epilogue only where the per-tensor
       // GEMM takes it (a 16-bit output); a refusal is an error, not a
       // silently missing bias.
-      case fp8lt::GemmStatus::kBiasNotAdded:
+      case fp8_kernels::cublaslt::GemmStatus::kBiasNotAdded:
         return ffi::Error::Internal("cuBLASLt refused the bias epilogue for this FP8 GEMM");
-      case fp8lt::GemmStatus::kNoKernel:
+      case fp8_kernels::cublaslt::GemmStatus::kNoKernel:
         return ffi::Error::Internal("cuBLASLt has no FP8 kernel for this GEMM on this GPU");
     }
-  } catch (const fp8lt::Error& e) {
+  } catch (const fp8_kernels::cublaslt::Error& e) {
     return ffi::Error::Internal(e.what());
   }
   return ffi::Error::Success();

@@ -23,7 +23,7 @@
 #include <string>
 #include <utility>
 
-#include "quantize_kernels.cuh"
+#include "fp8_kernels.h"
 #include "jax_ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -43,8 +43,8 @@ unsigned* stream_workspace(int device, cudaStream_t stream) {
   unsigned*& ws = table[std::make_pair(device, stream)];
   if (ws == nullptr) {
     void* p = nullptr;
-    TORCH_OPS_CUDA_CHECK(cudaMalloc(&p, torch_ops::kWsWords * sizeof(unsigned)));
-    TORCH_OPS_CUDA_CHECK(cudaMemsetAsync(p, 0, torch_ops::kWsWords * sizeof(unsigned), stream));
+    FP8_KERNELS_CUDA_CHECK(cudaMalloc(&p, fp8_kernels::kWsWords * sizeof(unsigned)));
+    FP8_KERNELS_CUDA_CHECK(cudaMemsetAsync(p, 0, fp8_kernels::kWsWords * sizeof(unsigned), stream));
     ws = static_cast<unsigned*>(p);
   }
   return ws;
@@ -54,20 +54,20 @@ ffi::Error QuantizeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
                         ffi::Buffer<ffi::F32> history, ffi::Result<ffi::AnyBuffer> q,
                         ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::Buffer<ffi::F32>> amax,
                         ffi::Result<ffi::Buffer<ffi::F32>> scale_used, int32_t scale_mode, float mdiv) {
-  torch_ops::QuantizeCall c;
+  fp8_kernels::QuantizeCall c;
   switch (x.element_type()) {
-    case ffi::DataType::BF16: c.x_type = torch_ops::InType::kBF16; break;
-    case ffi::DataType::F16: c.x_type = torch_ops::InType::kF16; break;
-    case ffi::DataType::F32: c.x_type = torch_ops::InType::kF32; break;
+    case ffi::DataType::BF16: c.x_type = fp8_kernels::InType::kBF16; break;
+    case ffi::DataType::F16: c.x_type = fp8_kernels::InType::kF16; break;
+    case ffi::DataType::F32: c.x_type = fp8_kernels::InType::kF32; break;
     default: return ffi::Error::InvalidArgument("x: expected bfloat16, float16 or float32");
   }
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("x: expected a 2-D (R, C) array, got " + dims_str(x));
   const long long R = xd[0], C = xd[1];
   if (q->element_type() == ffi::DataType::F8E4M3FN) {
-    c.fmt = torch_ops::kE4M3;
+    c.fmt = fp8_kernels::kE4M3;
   } else if (q->element_type() == ffi::DataType::F8E5M2) {
-    c.fmt = torch_ops::kE5M2;
+    c.fmt = fp8_kernels::kE5M2;
   } else {
     return ffi::Error::InvalidArgument("q: expected float8_e4m3fn or float8_e5m2");
   }
@@ -84,17 +84,17 @@ ffi::Error QuantizeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
     return ffi::Error::InvalidArgument("history: expected at least one element for delayed scaling");
   try {
     int current = -1;
-    TORCH_OPS_CUDA_CHECK(cudaGetDevice(&current));
-    if (current != device) TORCH_OPS_CUDA_CHECK(cudaSetDevice(device));
+    FP8_KERNELS_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device) FP8_KERNELS_CUDA_CHECK(cudaSetDevice(device));
     float* used = scale_used->typed_data();
     if (scale_mode == 0 || R * C == 0) {
       // The given scale is the one used; an empty x has no usable amax, so
       // every mode keeps scale_in (numerics' compute_scale).
-      TORCH_OPS_CUDA_CHECK(
+      FP8_KERNELS_CUDA_CHECK(
           cudaMemcpyAsync(used, scale_in.typed_data(), sizeof(float), cudaMemcpyDeviceToDevice, stream));
     }
     if (R * C == 0) {
-      TORCH_OPS_CUDA_CHECK(cudaMemsetAsync(amax->typed_data(), 0, sizeof(float), stream));
+      FP8_KERNELS_CUDA_CHECK(cudaMemsetAsync(amax->typed_data(), 0, sizeof(float), stream));
       return ffi::Error::Success();
     }
     c.x = x.untyped_data();
@@ -114,8 +114,8 @@ ffi::Error QuantizeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
     c.device = device;
     c.stream = stream;
     c.workspace = stream_workspace(device, stream);
-    torch_ops::quantize_run(c);
-  } catch (const torch_ops::CudaError& e) {
+    fp8_kernels::quantize_run(c);
+  } catch (const fp8_kernels::CudaError& e) {
     return ffi::Error::Internal(e.what());
   }
   return ffi::Error::Success();

@@ -26,7 +26,7 @@
 // synchronization during capture): it uses the top-1 and the plan is tuned
 // on the next call outside capture.
 //
-// Errors throw fp8lt::Error (a std::runtime_error); callers turn it into
+// Errors throw fp8_kernels::cublaslt::Error (a std::runtime_error); callers turn it into
 // their framework's error.
 
 #include <cublasLt.h>
@@ -43,7 +43,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace fp8lt {
+namespace fp8_kernels::cublaslt {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
 constexpr int kMaxCandidates = 16;
@@ -57,7 +57,7 @@ inline void check(cublasStatus_t status, const char* what, int line) {
     throw Error(std::string("cuBLASLt error in ") + what + ": status " + std::to_string((int)status) +
                 " (lt_gemm.h:" + std::to_string(line) + ")");
 }
-#define FP8LT_CHECK(expr) ::fp8lt::check((expr), #expr, __LINE__)
+#define CUBLASLT_CHECK(expr) ::fp8_kernels::cublaslt::check((expr), #expr, __LINE__)
 
 // One lock for the plan caches and the descriptors they share.
 inline std::mutex& lock() {
@@ -74,7 +74,7 @@ inline cublasLtHandle_t handle(int device) {
   auto it = handles.find(device);
   if (it != handles.end()) return it->second;
   cublasLtHandle_t h = nullptr;
-  FP8LT_CHECK(cublasLtCreate(&h));
+  CUBLASLT_CHECK(cublasLtCreate(&h));
   handles[device] = h;
   return h;
 }
@@ -97,9 +97,9 @@ struct Descs {
 // descriptor shared by every call of its shape. cuBLASLt's A is our b and its
 // B our a (the column-major view of our row-major operands).
 inline void set_call_pointers(Descs& ds, const float* sa, const float* sb, const void* bias) {
-  FP8LT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
-  FP8LT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
-  if (bias) FP8LT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
+  CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
+  if (bias) CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
 }
 
 // `ta`, `tb`: the types of our b and our a (cuBLASLt's A and B). `mode_a`,
@@ -110,29 +110,29 @@ inline void make_descs(Descs& ds, cudaDataType_t ta, cudaDataType_t tb, cudaData
                        const float* sb, const void* bias, cudaDataType_t tbias,
                        int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F,
                        int32_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) {
-  FP8LT_CHECK(cublasLtMatmulDescCreate(&ds.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  CUBLASLT_CHECK(cublasLtMatmulDescCreate(&ds.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-  FP8LT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)));
-  FP8LT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
+  CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)));
+  CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
   int8_t fa = fast ? 1 : 0;
-  FP8LT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)));
+  CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)));
   if (mode_a != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F || mode_b != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) {
     // cuBLASLt's A is our b, its B our a.
-    FP8LT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_b, sizeof(mode_b)));
-    FP8LT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_a, sizeof(mode_a)));
+    CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_b, sizeof(mode_b)));
+    CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_a, sizeof(mode_a)));
   }
   if (bias) {
     cublasLtEpilogue_t ep = CUBLASLT_EPILOGUE_BIAS;
-    FP8LT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof(ep)));
-    FP8LT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &tbias, sizeof(tbias)));
+    CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof(ep)));
+    CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &tbias, sizeof(tbias)));
   }
   set_call_pointers(ds, sa, sb, bias);
-  FP8LT_CHECK(cublasLtMatrixLayoutCreate(&ds.a, ta, K, N, ldb));
-  FP8LT_CHECK(cublasLtMatrixLayoutCreate(&ds.b, tb, K, M, lda));
-  FP8LT_CHECK(cublasLtMatrixLayoutCreate(&ds.d, td, N, M, ldd));
-  FP8LT_CHECK(cublasLtMatmulPreferenceCreate(&ds.pref));
+  CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&ds.a, ta, K, N, ldb));
+  CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&ds.b, tb, K, M, lda));
+  CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&ds.d, td, N, M, ldd));
+  CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&ds.pref));
   size_t ws = kWorkspaceBytes;
-  FP8LT_CHECK(cublasLtMatmulPreferenceSetAttribute(ds.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+  CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(ds.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                    sizeof(ws)));
 }
 
@@ -417,10 +417,10 @@ inline GemmStatus scaled_gemm(const GemmCall& call) {
       plan = p;  // the same descriptor, now with the chosen algorithm
     }
     Descs& ds = *plan.ds;
-    FP8LT_CHECK(cublasLtMatmul(h, ds.op, &alpha, call.b, ds.a, call.a, ds.b, &beta, call.out, ds.d, call.out, ds.d,
+    CUBLASLT_CHECK(cublasLtMatmul(h, ds.op, &alpha, call.b, ds.a, call.a, ds.b, &beta, call.out, ds.d, call.out, ds.d,
                                &plan.algo, call.workspace, kWorkspaceBytes, call.stream));
   }
   return want_bias_fused && !plan.bias_fused ? GemmStatus::kBiasNotAdded : GemmStatus::kDone;
 }
 
-}  // namespace fp8lt
+}  // namespace fp8_kernels::cublaslt

@@ -14,7 +14,7 @@
 #include <utility>
 
 #include "common.h"
-#include "quantize_kernels.cuh"
+#include "fp8_kernels.h"
 
 namespace torch_ops {
 namespace {
@@ -29,7 +29,7 @@ namespace {
 // captured into that graph at its first use (so once per replay, not per
 // call): a workspace first zeroed inside a graph that is never replayed must
 // not be used by anything else.
-// (kWsWords and its slots: quantize_kernels.cuh.)
+// (kWsWords and its slots: cuda_common.h.)
 struct Ws {
   unsigned long long capture_id;  // 0: not captured
   at::Tensor t;
@@ -50,7 +50,7 @@ std::atomic<unsigned long long> g_ws_generation{0};  // +1 whenever an entry get
 unsigned* workspace_lookup(const at::Tensor& like, cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long id = 0;
-  TORCH_OPS_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id));
+  FP8_KERNELS_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id));
   if (status != cudaStreamCaptureStatusActive) id = 0;
   const int device = (int)like.get_device();
   std::lock_guard<std::mutex> lk(g_ws_mu);
@@ -59,12 +59,12 @@ unsigned* workspace_lookup(const at::Tensor& like, cudaStream_t stream) {
     WsReserve& r = g_ws_reserve[device];
     if (id != 0 && r.t.defined() && r.next < kReserveSlots) {
       // A capture: a slot zeroed ahead (no memset node in the graph).
-      w.t = r.t.narrow(0, (int64_t)r.next++ * kWsWords, kWsWords);
+      w.t = r.t.narrow(0, (int64_t)r.next++ * fp8_kernels::kWsWords, fp8_kernels::kWsWords);
     } else {
       // at::zeros runs on the current stream (= stream): ordered before the
       // first kernel that uses it (inside a capture: a node of that graph,
       // the memory from the graph's pool).
-      w.t = at::zeros({kWsWords}, like.options().dtype(at::kInt));
+      w.t = at::zeros({fp8_kernels::kWsWords}, like.options().dtype(at::kInt));
     }
     if (id == 0 && !r.t.defined()) {
       // The device's first workspace outside a capture: zero the slots for
@@ -72,12 +72,12 @@ unsigned* workspace_lookup(const at::Tensor& like, cudaStream_t stream) {
       // on any stream finds them zeroed.
       // (Relaxed: another thread's capture in global mode does not forbid
       // this thread's one synchronization of a stream it is not capturing.)
-      r.t = at::zeros({(int64_t)kReserveSlots * kWsWords}, like.options().dtype(at::kInt));
+      r.t = at::zeros({(int64_t)kReserveSlots * fp8_kernels::kWsWords}, like.options().dtype(at::kInt));
       cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-      TORCH_OPS_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+      FP8_KERNELS_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
       const cudaError_t synced = cudaStreamSynchronize(stream);
-      TORCH_OPS_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-      TORCH_OPS_CUDA_CHECK(synced);
+      FP8_KERNELS_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+      FP8_KERNELS_CUDA_CHECK(synced);
     }
     w.capture_id = id;
     g_ws_generation.fetch_add(1, std::memory_order_acq_rel);
@@ -90,7 +90,7 @@ unsigned* workspace_lookup(const at::Tensor& like, cudaStream_t stream) {
 // is dropped whenever any entry gets a new tensor (the generation moved).
 unsigned* workspace(const at::Tensor& like, cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  TORCH_OPS_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  FP8_KERNELS_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
   if (status != cudaStreamCaptureStatusNone) return workspace_lookup(like, stream);
   struct Memo {
     int device = -1;
@@ -137,12 +137,12 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
     TORCH_CHECK(extras->emit_n == 0 || (amax_out.defined() && amax_out.numel() == extras->emit_n),
                 "quantize_launch: the gradient channel's size does not match emit_n");
   }
-  QuantizeCall c;
+  fp8_kernels::QuantizeCall c;
   c.x = x.data_ptr();
   switch (x.scalar_type()) {
-    case at::kBFloat16: c.x_type = InType::kBF16; break;
-    case at::kHalf: c.x_type = InType::kF16; break;
-    case at::kFloat: c.x_type = InType::kF32; break;
+    case at::kBFloat16: c.x_type = fp8_kernels::InType::kBF16; break;
+    case at::kHalf: c.x_type = fp8_kernels::InType::kF16; break;
+    case at::kFloat: c.x_type = fp8_kernels::InType::kF32; break;
     default:
       TORCH_CHECK(false, "x: expected a bfloat16, float16 or float32 tensor, got ", x.scalar_type());
   }
@@ -169,15 +169,16 @@ void quantize_launch(const at::Tensor& x, long long R, long long C, int fmt, int
   c.device = (int)x.get_device();
   c.stream = c10::cuda::getCurrentCUDAStream();
   c.workspace = workspace(x, c.stream);
-  quantize_run(c);
+  fp8_kernels::quantize_run(c);
 }
 
 // Records `amax` into `history` and publishes the next scale (one block).
 void record_amax_launch(const at::Tensor& history, const at::Tensor& scale, const at::Tensor& amax, int fmt,
                         int algo, double mdiv_d, bool skip_zero) {
   const DeviceScope device_scope(history);
-  record_amax_run(history.data_ptr<float>(), history.numel(), scale.data_ptr<float>(), amax.data_ptr<float>(), fmt,
-                  algo, (float)mdiv_d, skip_zero, c10::cuda::getCurrentCUDAStream());
+  fp8_kernels::record_amax_run(history.data_ptr<float>(), history.numel(), scale.data_ptr<float>(),
+                               amax.data_ptr<float>(), fmt, algo, (float)mdiv_d, skip_zero,
+                               c10::cuda::getCurrentCUDAStream());
 }
 
 }  // namespace torch_ops

@@ -1,7 +1,7 @@
 // The fused FP8 quantize kernels and their launch on raw device pointers
-// (quantize_run), with no framework in them: torch_ops's extension
-// (quantize.cu) and keras_fp8's JAX custom call (jax_quantize.cu) run them.
-// One pass over x writes q and/or its transpose one pass over x writes q and/or its transpose
+// (quantize_run, record_amax_run: fp8_kernels.h), with no framework in them:
+// torch_ops's extension (quantize.cu) and keras_fp8's JAX custom call
+// (jax_quantize.cu) run them. One pass over x writes q and/or its transpose
 // q_t, the amax, and (delayed scaling) the history shift and the next scale,
 // which the launch's last block finalizes on the device (finalize.cuh).
 //
@@ -38,7 +38,7 @@
 #include "finalize.cuh"
 #include "fold_block.cuh"
 
-namespace torch_ops {
+namespace fp8_kernels {
 namespace {
 
 constexpr int kThreads = 256;
@@ -639,7 +639,7 @@ __global__ void record_amax_kernel(const float* amax, Finalize f) {
 // DeviceScope of their tensor).
 int num_sms() {
   int dev;
-  TORCH_OPS_CUDA_CHECK(cudaGetDevice(&dev));
+  FP8_KERNELS_CUDA_CHECK(cudaGetDevice(&dev));
   return device_sm_count(dev);
 }
 
@@ -667,7 +667,7 @@ void launch_maybe_early(void (*kernel)(Params...), unsigned blocks, cudaStream_t
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  TORCH_OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  FP8_KERNELS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
 // The lean kernels' block layout: two 64 x 64 tile rows of four tiles per
@@ -680,48 +680,10 @@ constexpr int kLeanRows = 2;
 template <typename K>
 int blocks_per_sm(K kernel) {
   int n = 0;
-  TORCH_OPS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+  FP8_KERNELS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
   return std::max(n, 1);
 }
 
-
-// The workspace of the amax reductions: this many zeroed 32-bit words,
-// left zero again by every launch (its last block resets what it used).
-// Slots: [0,1] pre-pass, [2,3] main kernel, [2..7] the jobs of the state
-// kernel, [8..10] float scratch (scale_used of state-only updates), [12,13]
-// the seed of the lean kernels' fallback launch (Finalize::split).
-constexpr int kWsWords = 16;
-
-enum class InType { kBF16, kF16, kF32 };
-
-// One quantize of a contiguous (R, C) x (common.h's quantize_launch says what
-// each argument means); a null pointer where an argument is not given.
-struct QuantizeCall {
-  const void* x = nullptr;
-  InType x_type = InType::kBF16;
-  long long R = 0, C = 0;
-  int fmt = kE4M3;
-  int scale_mode = 0;                   // 0 given scale, 1 delayed, 2 current
-  const float* scale_in = nullptr;      // mode 0: the scale; 1: state scale; 2: prev (may be null)
-  float* scale_used = nullptr;          // mode 0: the scale itself (read only)
-  float* amax_out = nullptr;
-  float* history = nullptr;             // null: nothing recorded
-  long long H = 0;
-  float* scale_state = nullptr;         // the next scale when recording
-  const float* hist_for_empty = nullptr;  // mode 1: the history (the empty check)
-  long long hist_for_empty_n = 0;
-  uint8_t* q = nullptr;                 // (R, ldq)
-  long long ldq = 0;
-  uint8_t* qt = nullptr;                // (C, ldqt)
-  long long ldqt = 0;
-  int algo = 0;
-  float mdiv = 1.0f;
-  bool skip_zero = false;
-  const QuantizeExtras* extras = nullptr;
-  int device = 0;                       // current while the launch runs
-  cudaStream_t stream = nullptr;
-  unsigned* workspace = nullptr;        // kWsWords words (see above)
-};
 
 template <typename Fn>
 void dispatch_in(const QuantizeCall& c, Fn&& fn) {
@@ -732,7 +694,8 @@ void dispatch_in(const QuantizeCall& c, Fn&& fn) {
   }
 }
 
-// Launches the quantize `c` describes (the kernel choice: the top of this file).
+// Launches the quantize `c` describes (fp8_kernels.h; the kernel choice:
+// the top of this file).
 inline void quantize_run(const QuantizeCall& c) {
   const long long R = c.R, C = c.C, ldq = c.ldq, ldqt = c.ldqt;
   const int fmt = c.fmt, scale_mode = c.scale_mode;
@@ -765,7 +728,7 @@ inline void quantize_run(const QuantizeCall& c) {
       amax_prepass_kernel<T><<<(unsigned)blocks, kThreads, 0, stream>>>(
           xp, n, vec, hist, H, scale_mode == 1, c.scale_in, c.scale_used, wsp, fmax, c.mdiv);
     });
-    TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+    FP8_KERNELS_CUDA_CHECK(cudaGetLastError());
   }
 
   Finalize f;
@@ -829,7 +792,7 @@ inline void quantize_run(const QuantizeCall& c) {
         if (split) {
           // The fallback: one resident wave at most (it nearly always only
           // reads the flag), launched early where it may be.
-          TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+          FP8_KERNELS_CUDA_CHECK(cudaGetLastError());
           Finalize fb = f;
           fb.split = 2;
           launch_maybe_early(kernel, std::min(nb, (unsigned)num_sms()), stream, pdl, xp, R, C, tiles_c, ntiles, qp,
@@ -855,7 +818,7 @@ inline void quantize_run(const QuantizeCall& c) {
         quant_tile2_kernel<T, false><<<nb2, kThreads, 0, stream>>>(xp, R, C, vec, qp, ldq, qtp, ldqt, ext_r, ext_c, f);
     }
   });
-  TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+  FP8_KERNELS_CUDA_CHECK(cudaGetLastError());
 }
 
 // Records `*amax` into `history` (H entries) and publishes the next scale
@@ -881,8 +844,8 @@ inline void record_amax_run(float* history, long long H, float* scale, const flo
   f.seed_H = 0;
   f.scale_used_out = nullptr;
   record_amax_kernel<<<1, 1024, 0, stream>>>(amax, f);
-  TORCH_OPS_CUDA_CHECK(cudaGetLastError());
+  FP8_KERNELS_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
-}  // namespace torch_ops
+}  // namespace fp8_kernels

@@ -22,10 +22,10 @@ from . import extension as _extension
 from . import fsdp
 from . import ops as _ops
 from . import reference
+from .config import LinearConfig
 from .linear import FP8LinearState
 from .linear import fold_pending_grad_amax
 from .linear import fp8_linear
-from .linear import fp8_linear_folded
 from .module import FP8Linear
 from .module import convert_to_fp8
 from .settings import DEFAULT_MIN_GEMM_SIZE
@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_MIN_GEMM_SIZE",
     "FP8Linear",
     "FP8LinearState",
+    "LinearConfig",
     "Settings",
     "build",
     "convert_to_fp8",
@@ -44,7 +45,6 @@ __all__ = [
     "fold_pending_grad_amax",
     "fp8_gemm",
     "fp8_linear",
-    "fp8_linear_folded",
     "fsdp",
     "get_settings",
     "is_available",

@@ -173,7 +173,7 @@ def scale_for(scaling, amax, history, scale, fp8_dtype, margin, algo, record):
 
 
 def quantize_global(scaling, x, history, scale, fp8_dtype, margin, algo, transpose, record, write_q, group):
-    """``linear._quantize`` with the amax MAX-reduced over ``group`` first:
+    """The FP8 linear's quantize with the amax MAX-reduced over ``group`` first:
     ``(q, q_t, scale_used, amax)`` in the GEMM-ready layouts, ``amax`` the
     group's."""
     a = reduce_amax(local_amax(x, scale), group)

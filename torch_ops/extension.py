@@ -21,6 +21,8 @@ import warnings
 
 import torch
 
+from . import reference as ref
+
 _NAME = "keras_fp8_torch_ops"
 _HERE = pathlib.Path(__file__).resolve().parent
 # An installed wheel ships the sources as torch_ops/csrc (pyproject.toml); a
@@ -151,7 +153,43 @@ def load(verbose: bool = False):
             err = next((ln.strip() for ln in lines[1:] if "error" in ln.lower()), "")
             _error = f"building the torch_ops kernels failed: {first}" + (f" [{err[:300]}]" if err else "")
             raise RuntimeError(_error) from e
+        try:
+            check_constants(_module)
+        except RuntimeError as e:
+            _module, _error = None, str(e)
+            raise
         return _module
+
+
+def expected_constants() -> dict:
+    """The numerics constants as ``torch_ops.reference`` states them, in the
+    form the extension's ``constants()`` returns."""
+    return {
+        "fp8_format_ids": (ref.FP8_FORMAT_IDS[ref.E4M3], ref.FP8_FORMAT_IDS[ref.E5M2]),
+        "fp8_max": (ref.FP8_MAX[ref.E4M3], ref.FP8_MAX[ref.E5M2]),
+        "amax_compute_algo_ids": tuple(ref.AMAX_COMPUTE_ALGO_IDS[a] for a in ref.AMAX_COMPUTE_ALGOS),
+        "min_scale": ref.MIN_SCALE,
+        "fold_count_period": ref.FOLD_COUNT_PERIOD,
+        "max_history_len": ref.MAX_HISTORY_LEN,
+    }
+
+
+def check_constants(module) -> None:
+    """Raises a RuntimeError naming each constant the compiled kernels
+    (``module.constants()``, csrc/cuda_common.h) state differently from
+    ``torch_ops.reference``: a build from other sources than this package's
+    would compute other numerics."""
+    built = dict(module.constants())
+    wrong = []
+    for name, want in expected_constants().items():
+        got = built.get(name)
+        if isinstance(got, list):
+            got = tuple(got)
+        if got != want:
+            wrong.append(f"{name}: the reference has {want!r}, the kernels {got!r}")
+    if wrong:
+        raise RuntimeError("the torch_ops kernels disagree with torch_ops/reference.py (rebuild them from this "
+                           f"package's csrc/): {'; '.join(wrong)}")
 
 
 def kernels_for(t: torch.Tensor):

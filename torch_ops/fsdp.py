@@ -33,8 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.utils._pytree as pytree
 
@@ -105,7 +103,7 @@ class FP8AllGatherWeight(torch.Tensor):
         param_dtype = getattr(mp_policy, "param_dtype", None)
         if param_dtype is not None:
             shard = shard.to(param_dtype)
-        state = module._fp8_state()
+        state = module.fp8_state()
         record = module.training and not in_backward()
         shard2d = shard.reshape(-1, outer_size[-1])
         a = distributed.reduce_amax(distributed.local_amax(shard2d, state.kernel_scale), mesh.get_group())

@@ -11,10 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import reference as ref
 from . import settings as settings_lib
-from .linear import STATE_NAMES as _STATE_NAMES
-from .linear import FP8LinearState, check_history_len, check_options, compute_dtype_call, fp8_linear
+from .config import LinearConfig
+from .linear import COMPUTE_DTYPE
+from .linear import STATE_NAMES
+from .linear import FP8LinearState
+from .linear import check_history_len
+from .linear import linear_call
 
 
 class FP8Linear(torch.nn.Linear):
@@ -40,6 +43,10 @@ class FP8Linear(torch.nn.Linear):
             ``torch_ops.get_settings()``'s).
         power_of_two: Block scaling only: power-of-two tile scales.
 
+    The FP8 arguments are kept as one ``LinearConfig``, ``layer.config``
+    (validated once, here); each is also an attribute of the layer, and
+    setting one replaces the config.
+
     Example:
 
     >>> layer = torch_ops.FP8Linear(64, 32)
@@ -51,26 +58,40 @@ class FP8Linear(torch.nn.Linear):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, history_len=1024,
                  fp8_format="hybrid", scaling="delayed", margin=0.0, amax_compute_algo="max", min_gemm_size=None,
                  power_of_two=False):
-        check_options(fp8_format, scaling, amax_compute_algo, power_of_two)
+        config = LinearConfig(fp8_format=fp8_format, scaling=scaling, margin=margin,
+                              amax_compute_algo=amax_compute_algo, power_of_two=power_of_two,
+                              min_gemm_size=min_gemm_size)
         check_history_len(history_len)
-        settings_lib.check_min_gemm_size(min_gemm_size)
-        margin = ref.check_margin(margin)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._set_fresh_state(history_len, self.weight.device)
         self._compute_dtype_key = None
-        self.fp8_format = fp8_format
-        self.scaling = scaling
-        self.margin = margin
-        self.amax_compute_algo = amax_compute_algo
-        self.min_gemm_size = min_gemm_size
-        self.power_of_two = power_of_two
+        self.config = config
 
     def _set_fresh_state(self, history_len, device):
         # Scales 1, empty histories: the state buffers and the object over them.
         state = FP8LinearState.create(history_len, device=device)
-        for name, t in zip(_STATE_NAMES, state.tensors()):
+        for name, t in zip(STATE_NAMES, state.tensors()):
             self.register_buffer(name, t)
         self._state = state
+
+    def _option(name, doc):  # noqa: N805 - builds the properties below
+        def get(self):
+            return getattr(self.config, name)
+
+        def set_(self, value):
+            self.config = self.config.replace(**{name: value})
+
+        return property(get, set_, doc=doc)
+
+    fp8_format = _option("fp8_format", "The ``LinearConfig`` field of that name (setting it replaces ``config``).")
+    scaling = _option("scaling", "The ``LinearConfig`` field of that name (setting it replaces ``config``).")
+    margin = _option("margin", "The ``LinearConfig`` field of that name (setting it replaces ``config``).")
+    amax_compute_algo = _option("amax_compute_algo",
+                                "The ``LinearConfig`` field of that name (setting it replaces ``config``).")
+    min_gemm_size = _option("min_gemm_size",
+                            "The ``LinearConfig`` field of that name (setting it replaces ``config``).")
+    power_of_two = _option("power_of_two", "The ``LinearConfig`` field of that name (setting it replaces ``config``).")
+    del _option
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, **kwargs) -> "FP8Linear":
@@ -87,23 +108,23 @@ class FP8Linear(torch.nn.Linear):
         new.train(linear.training)
         return new
 
-    def _fp8_state(self) -> FP8LinearState:
-        # The state object over the buffers as they are now (load_state_dict
-        # copies into them; assigning a buffer replaces it).
+    def fp8_state(self) -> FP8LinearState:
+        """The ``FP8LinearState`` over the state buffers as they are now
+        (``load_state_dict`` copies into them; assigning a buffer replaces it)."""
         b = self._buffers
         if torch.compiler.is_compiling():  # no attribute writes in a traced graph
-            return FP8LinearState(*(b[name] for name in _STATE_NAMES))
+            return FP8LinearState(*(b[name] for name in STATE_NAMES))
         st = self._state
-        if any(getattr(st, name) is not b[name] for name in _STATE_NAMES):
-            st = self._state = FP8LinearState(*(b[name] for name in _STATE_NAMES))
+        if any(getattr(st, name) is not b[name] for name in STATE_NAMES):
+            st = self._state = FP8LinearState(*(b[name] for name in STATE_NAMES))
         return st
 
     def _apply(self, fn, recurse=True):
         self._compute_dtype_key = None  # a cast or move changes what a call runs
         # The state stays float32 (a cast of the module must not round the
         # histories and scales) and follows the weight's device.
-        saved = {name: self._buffers[name] for name in _STATE_NAMES}
-        for name in _STATE_NAMES:
+        saved = {name: self._buffers[name] for name in STATE_NAMES}
+        for name in STATE_NAMES:
             self._buffers[name] = None
         try:
             super()._apply(fn, recurse)
@@ -118,26 +139,21 @@ class FP8Linear(torch.nn.Linear):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
+        w, b, config = self.weight, self.bias, self.config
         # A call like the last one that ran the compute dtype (the same
-        # weight, bias, min_gemm_size and settings; x of the same shape,
+        # weight, bias, config and settings; a non-empty x of the same shape,
         # dtype and device) runs it again without deciding anew: the host
         # path of a small layer stays as short as nn.Linear's.
         key = self._compute_dtype_key
         if (key is not None and type(x) is torch.Tensor and key[0] is w and key[1] is b and x.shape == key[2]
                 and x.dtype is key[3] and x.device == key[4] and key[5] is settings_lib.get_settings()
-                and key[6] == self.min_gemm_size):
+                and key[6] is config):
             return F.linear(x, w, b)
-        y = compute_dtype_call(x, w, b, self.min_gemm_size)
-        if y is not None:
-            if w.dtype is x.dtype and (b is None or b.dtype is x.dtype) and not torch.compiler.is_compiling():
-                self._compute_dtype_key = (w, b, x.shape, x.dtype, x.device, settings_lib.get_settings(),
-                                           self.min_gemm_size)
-            return y
-        return fp8_linear(x, self.weight, self.bias, state=self._fp8_state(), fp8_format=self.fp8_format,
-                          scaling=self.scaling, margin=self.margin, amax_compute_algo=self.amax_compute_algo,
-                          training=self.training, min_gemm_size=self.min_gemm_size,
-                          power_of_two=self.power_of_two)
+        y, route = linear_call(x, w, b, self.fp8_state(), config, self.training)
+        if (route is COMPUTE_DTYPE and type(x) is torch.Tensor and x.numel() and w.dtype is x.dtype
+                and (b is None or b.dtype is x.dtype) and not torch.compiler.is_compiling()):
+            self._compute_dtype_key = (w, b, x.shape, x.dtype, x.device, settings_lib.get_settings(), config)
+        return y
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, fp8_format={self.fp8_format!r}, scaling={self.scaling!r}, "

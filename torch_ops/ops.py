@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from . import extension
 from . import reference as ref
 
-_FMT_ID = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
-_ALGO_ID = {"max": 0, "most_recent": 1}
+_FMT_ID = ref.FP8_FORMAT_IDS
+_ALGO_ID = ref.AMAX_COMPUTE_ALGO_IDS
 
 
 def _r16(v: int) -> int:

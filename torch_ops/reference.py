@@ -32,6 +32,12 @@ FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 # fp8_format -> (forward dtype, gradient dtype).
 FP8_FORMATS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# The ids the compiled kernels know the formats and the amax algorithms by
+# (csrc/fp8_kernels.h; the extension's load checks that they agree).
+FP8_FORMAT_IDS = {E4M3: 0, E5M2: 1}
+AMAX_COMPUTE_ALGO_IDS = {"max": 0, "most_recent": 1}
+# Longest amax history a state may have (4 MB per operand).
+MAX_HISTORY_LEN = 2**20
 # Fold counts wrap here, so that fold tokens stay exact in float32.
 FOLD_COUNT_PERIOD = 2.0**20
 # The smallest scale before the margin: the smallest normal float32 (its

@@ -2,25 +2,25 @@
 
 Each backend module provides:
 
-    fp8_matmul(layer, x, kernel, bias, recipe, training) -> y
+    fp8_matmul(layer, x, kernel, bias, config, training) -> y
         `y = x @ kernel (+ bias)` for `x` of shape `(M, K)` and `kernel` of
         shape `(K, N)`, both quantized to the recipe's forward format, with a
         backward pass that quantizes the output gradient once (the backward
         format) for both gradient matmuls. It reads and (when training)
-        updates the layer's FP8 state variables, and returns the output
-        gradient's amax through the gradient of `grad_amax_pending` (see
-        `keras_fp8/layers/fp8_state.py`). The rules are
-        `keras_fp8.numerics`'.
+        updates the layer's FP8 state variables (public attributes of the
+        layer), and returns the output gradient's amax through the gradient
+        of `grad_amax_pending` (see `keras_fp8/layers/fp8_state.py`).
+        `config` is what `linear_config` made of the call's recipe. The rules
+        are `keras_fp8.numerics`'.
     default_min_gemm_size(x) -> int
         The `min_gemm_size` a layer without one of its own uses for `x`.
 
-and may provide `prepare_device(tensor)` (settle, in eager code, where FP8
-matmuls on `tensor`'s device run), `mark_amax_channel(variable)` (tell the
-backend's data-parallel tooling that this variable's gradient is an amax),
-`fast_layer_call(layer, args, kwargs)` (a layer's `__call__` without
-Keras's generic machinery, or None) and `keep_rounding(q)` (an FP8 tensor
-shielded from a compiler that would fold its narrowing and a later
-widening into one conversion).
+and may provide `linear_config(recipe, min_gemm_size)` (the backend's form
+of a recipe for one layer's matmuls, made once per layer and recipe: torch, a
+`torch_ops.LinearConfig`; without it `fp8_matmul` gets the recipe itself),
+`prepare_device(tensor)` (settle, in eager code, where FP8 matmuls on
+`tensor`'s device run) and `mark_amax_channel(variable)` (tell the backend's
+data-parallel tooling that this variable's gradient is an amax).
 
 `jax` runs FP8 `dot_general` through XLA on FP8-capable GPUs and the exact
 emulation elsewhere; `torch` runs `torch_ops` (the compiled kernels on the
@@ -74,6 +74,16 @@ def prepare_device(tensor):
         prepare(tensor)
 
 
+def linear_config(recipe, min_gemm_size):
+    """The current backend's form of `recipe` for one layer's FP8 matmuls
+    (what the layer passes to `fp8_matmul` as `config`): torch, a
+    `torch_ops.LinearConfig` carrying `min_gemm_size` (the limit the layer
+    resolved; None where the call's size is not known); elsewhere the recipe
+    itself."""
+    make = getattr(get(), "linear_config", None)
+    return recipe if make is None else make(recipe, min_gemm_size)
+
+
 def mark_amax_channel(variable):
     """Lets the current backend know that `variable`'s gradient is an amax
     (`grad_amax_pending`), not a gradient (torch: so that
@@ -84,25 +94,3 @@ def mark_amax_channel(variable):
     mark = getattr(get(), "mark_amax_channel", None)
     if mark is not None:
         mark(variable)
-
-
-def keep_rounding(q):
-    """`q`, a quantized (FP8) tensor about to be widened, as the current
-    backend needs it for the widening to see FP8 values.
-
-    XLA folds a chain of floating-point conversions into one (on a GPU,
-    with `xla_allow_excess_precision`, its default): `float32 -> float8 ->
-    float32` inside one compiled function would skip the FP8 rounding
-    altogether. The JAX backend puts an optimization barrier between the
-    two; elsewhere `q` is returned as it is.
-
-    Args:
-        q: An FP8 tensor.
-
-    Returns:
-        `q`, or what stands for it in the compiled function.
-    """
-    if keras.backend.backend() not in _SUPPORTED:
-        return q
-    keep = getattr(get(), "keep_rounding", None)
-    return q if keep is None else keep(q)

@@ -186,14 +186,6 @@ def route(x, kernel, recipe):
 
 
 # --------------------------------------------------------------------------- quantize and multiply, by route
-def keep_rounding(q):
-    """`q` behind an optimization barrier, so that XLA cannot fold the
-    conversion that made it (to FP8) and the one that widens it into one
-    (`SimplifyFPConversions` on a GPU): the widened values are then FP8
-    values, as on every other path (`keras_fp8.backends.keep_rounding`)."""
-    return jax.lax.optimization_barrier(q)
-
-
 def _as_stored(x):
     """`x` rounded to its own dtype. XLA on a GPU may hand a 16-bit value
     that a fusion computes in float32 on unrounded

@@ -65,26 +65,20 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
         super().build(input_shape)
         self._build_fp8_state()
 
-    def _fast_call_accepts(self, x):
-        return x.dim() >= 2 and x.shape[-1] == self._kernel.shape[0]
-
-    def _fp8_call_is_linear(self):
-        return type(self).call is FP8Dense.call and not self.lora_enabled
-
     def _gemm_dims(self, input_shape):
         lead = input_shape[:-1]
         m = None if any(d is None for d in lead) else math.prod(lead)
         return m, self._kernel.shape[0], self.units
 
     def call(self, inputs, training=None):
-        recipe = self._fp8_call_recipe(inputs)
-        if recipe is None:
+        config = self._fp8_call_config(inputs)
+        if config is None:
             return super().call(inputs, training=training)
         # Rank 2 skips two reshapes (Keras ops cost host time per call).
         flat = len(inputs.shape) == 2
         x = inputs if flat else ops.reshape(inputs, (-1, self._kernel.shape[0]))
         y = self._fp8_matmul(
-            x, self._raw_value(self._kernel), recipe, bool(training),
+            x, self._raw_value(self._kernel), config, bool(training),
             bias=self.bias,
         )
         if not flat:

@@ -151,18 +151,13 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         k = math.prod(kernel_shape[: plan.n_contracted])
         return m, k, math.prod(kernel_shape[plan.n_contracted :])
 
-    def _fast_call_accepts(self, x):
-        # Keras's input spec (the equation's rank; asked only of a built
-        # layer); the plan checks the contracted sizes itself.
-        return x.dim() == len(self._plan.x_perm)
-
     def call(self, inputs, training=None):
-        recipe = self._fp8_call_recipe(inputs)
-        if recipe is None:
+        config = self._fp8_call_config(inputs)
+        if config is None:
             return super().call(inputs, training=training)
 
         def matmul(x2d, kernel2d):
-            return self._fp8_matmul(x2d, kernel2d, recipe, bool(training))
+            return self._fp8_matmul(x2d, kernel2d, config, bool(training))
 
         y = self._plan.call(matmul, inputs, self._raw_value(self._kernel))
         if self.bias is not None:

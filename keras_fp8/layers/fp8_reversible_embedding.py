@@ -100,8 +100,8 @@ class FP8ReversibleEmbedding(FP8StateMixin, keras.layers.ReversibleEmbedding):
                 f"inputs: expected a last dimension of {self.output_dim} (the "
                 f"layer's output_dim) for reverse=True, got shape {tuple(inputs.shape)}"
             )
-        recipe = self._fp8_call_recipe(inputs)
-        if recipe is None:
+        config = self._fp8_call_config(inputs)
+        if config is None:
             logits = self._compute_dtype_projection(inputs)
         else:
             if training is None:
@@ -111,7 +111,7 @@ class FP8ReversibleEmbedding(FP8StateMixin, keras.layers.ReversibleEmbedding):
                 context = compat.current_call_context()
                 training = None if context is None else context.get_value("training")
             x = ops.reshape(inputs, (-1, self.output_dim))
-            logits = self._fp8_matmul(x, self._projection_kernel(), recipe, bool(training))
+            logits = self._fp8_matmul(x, self._projection_kernel(), config, bool(training))
             logits = ops.reshape(logits, tuple(ops.shape(inputs)[:-1]) + (self.input_dim,))
         if self.logit_soft_cap is not None:
             cap = self.logit_soft_cap

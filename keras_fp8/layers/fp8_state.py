@@ -178,28 +178,11 @@ class FP8StateMixin:
     """Creates, resolves and updates the FP8 state of a layer.
 
     A layer using this mixin calls `_build_fp8_state()` in `build`, and in
-    `call` asks `_fp8_call_recipe(inputs)` whether this call runs in FP8, then
-    multiplies with `_fp8_matmul(x2d, kernel2d, recipe, training)`; it says
-    what GEMM a call makes (`_gemm_dims`).
+    `call` asks `_fp8_call_config(inputs)` whether this call runs in FP8
+    (and with which backend config), then multiplies with
+    `_fp8_matmul(x2d, kernel2d, config, training)`; it says what GEMM a call
+    makes (`_gemm_dims`).
     """
-
-    def __call__(self, *args, **kwargs):
-        fast = getattr(backends.get(), "fast_layer_call", None)
-        # An observer (`observe_gemms`) sees `_fp8_matmul`'s GEMMs: no fast call.
-        if fast is not None and self._gemm_observer is None:
-            outputs = fast(self, args, kwargs)
-            if outputs is not None:
-                return outputs
-        return super().__call__(*args, **kwargs)
-
-    def _fast_call_accepts(self, x):
-        """Whether `x` passes the layer's input spec (checked cheaply)."""
-        return False
-
-    def _fp8_call_is_linear(self):
-        """Whether `call` is exactly the FP8 linear on the layer's kernel and
-        bias, then its activation (the torch backend's fast call runs that)."""
-        return False
 
     def _gemm_dims(self, input_shape):
         """`(M, K, N)` of the matmul a call on `input_shape` makes (None
@@ -316,23 +299,12 @@ class FP8StateMixin:
             policy = policy_lib.layer_policy(self)
         return getattr(policy, "min_gemm_size", None)
 
-    def _runs_compute_dtype(self, inputs, policy=None):
-        """Whether a call on `inputs` runs the compute-dtype layer: an empty
-        matmul, or `M*N*K` below `min_gemm_size` (the layer's, its policy's,
-        else the backend's default for where `inputs` lives)."""
-        dims = self._gemm_dims(tuple(inputs.shape))
-        # The last call's GEMM, for `fp8_execution` (keras_fp8.summary); into
-        # the instance dict: Keras's attribute tracking costs host time per call.
-        self.__dict__["_last_gemm_dims"] = dims
-        size = recipes.gemm_size(dims)
-        if size is None:  # the output spec is the same either way
-            return False
-        if size == 0:
-            return True
+    def _resolved_min_gemm_size(self, like, policy=None):
+        """The `min_gemm_size` in effect: the layer's, else its policy's, else
+        the backend's default for where `like` lives. The one place the
+        limit is resolved."""
         limit = self._min_gemm_size(policy)
-        if limit is None:
-            limit = backends.get().default_min_gemm_size(inputs)
-        return size < limit
+        return backends.get().default_min_gemm_size(like) if limit is None else limit
 
     def active_recipe(self, or_built=False):
         """The recipe a call would take now: an `autocast` scope's, else the
@@ -358,7 +330,7 @@ class FP8StateMixin:
         dims = getattr(self, "_last_gemm_dims", None)
         limit = self._min_gemm_size()
         if limit is None and self.built:
-            limit = backends.get().default_min_gemm_size(compat.raw_value(self._kernel))
+            limit = self._resolved_min_gemm_size(compat.raw_value(self._kernel))
         if self._fp8_recipe() is None:
             return f"{self.compute_dtype} (FP8 off)", dims, limit
         size = recipes.gemm_size(dims)
@@ -374,13 +346,13 @@ class FP8StateMixin:
         """The variable's value in its own dtype (no mixed-precision cast)."""
         return compat.raw_value(variable)
 
-    def _fp8_matmul(self, x, kernel, recipe, training, bias=None):
+    def _fp8_matmul(self, x, kernel, config, training, bias=None):
         """`x @ kernel (+ bias)` with FP8 operands; updates the state if training.
 
         Args:
             x: `(M, K)` tensor in the compute dtype.
             kernel: `(K, N)` float32 kernel (the variable's own value).
-            recipe: The call's recipe.
+            config: The call's backend config (`_fp8_call_config`).
             training: Whether to record amaxes and fold the gradient amax.
             bias: Optional `(N,)` bias variable, added to the output (fused
                 into the GEMM where the backend can).
@@ -389,7 +361,7 @@ class FP8StateMixin:
             `(M, N)` tensor in `x`'s dtype.
         """
         with _state_lock(self, training):
-            y = backends.get().fp8_matmul(self, x, kernel, bias, recipe, bool(training))
+            y = backends.get().fp8_matmul(self, x, kernel, bias, config, bool(training))
         observer = self._gemm_observer
         return y if observer is None else observer(self, x, y)
 
@@ -421,18 +393,34 @@ class FP8StateMixin:
         # Into the instance dict: Keras's attribute tracking is not needed.
         self.__dict__["_gemm_observer"] = observer
 
-    def _fp8_call_recipe(self, inputs):
-        """The recipe of this call (None: run as the base layer).
+    def _fp8_call_config(self, inputs):
+        """The backend config of this call's FP8 matmul (None: run as the
+        base layer).
 
-        A call FP8 cannot take (LoRA enabled, inputs that are not floating
-        point) runs as the base layer, with a one-time warning naming the
-        layer; its FP8 state does not advance.
+        The call runs as the base layer where FP8 is off for the layer, for
+        an empty matmul, below `min_gemm_size` (`_resolved_min_gemm_size`),
+        and where FP8 cannot take it (LoRA enabled, inputs that are not
+        floating point: with a one-time warning naming the layer); its FP8
+        state does not advance. The config is made once per recipe and
+        limit (`backends.linear_config`) and kept on the layer.
         """
         # One lookup of the policy per call (a DTypePolicyMap matches paths).
         policy = policy_lib.layer_policy(self)
         recipe = self._fp8_recipe(policy)
-        if recipe is None or self._runs_compute_dtype(inputs, policy):
+        if recipe is None:
             return None
+        dims = self._gemm_dims(tuple(inputs.shape))
+        # The last call's GEMM, for `fp8_execution` (keras_fp8.summary); into
+        # the instance dict: Keras's attribute tracking costs host time per call.
+        self.__dict__["_last_gemm_dims"] = dims
+        size = recipes.gemm_size(dims)
+        limit = None  # a call of unknown size takes the FP8 path (the same output spec)
+        if size is not None:
+            if size == 0:
+                return None
+            limit = self._resolved_min_gemm_size(inputs, policy)
+            if size < limit:
+                return None
         if self.lora_enabled:
             warn_runs_without_fp8(self, "LoRA is enabled (FP8 layers do not support LoRA)")
             return None
@@ -447,7 +435,11 @@ class FP8StateMixin:
                 runs_in=_plain_result_dtype(dtype, self.compute_dtype),
             )
             return None
-        return recipe
+        configs = self.__dict__.setdefault("_fp8_backend_configs", {})
+        config = configs.get((recipe, limit))
+        if config is None:
+            config = configs[(recipe, limit)] = backends.linear_config(recipe, limit)
+        return config
 
     def quantize(self, mode=None, type_check=True, config=None):
         """Keras's quantization does not apply to FP8 layers: a ValueError

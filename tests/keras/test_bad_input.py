@@ -154,7 +154,7 @@ def test_torch_ops_empty_inputs(shape):
     w = torch.randn(n, k, requires_grad=True)
     b = torch.randn(n, requires_grad=True)
     state = torch_ops.FP8LinearState.create(4)
-    y = torch_ops.fp8_linear(x, w, b, state=state, min_gemm_size=0)
+    y = torch_ops.fp8_linear(x, w, b, state, torch_ops.LinearConfig(min_gemm_size=0))
     assert torch.equal(y, torch.nn.functional.linear(x, w, b))
     y.sum().backward()
     assert w.grad.shape == w.shape and x.grad.shape == x.shape
@@ -184,8 +184,8 @@ def test_torch_ops_margin_is_named(margin):
     import torch_ops
 
     with pytest.raises(ValueError, match="margin"):
-        torch_ops.fp8_linear(torch.randn(4, 8), torch.randn(4, 8), state=torch_ops.FP8LinearState.create(4),
-                             margin=margin)
+        torch_ops.fp8_linear(torch.randn(4, 8), torch.randn(4, 8), None, torch_ops.FP8LinearState.create(4),
+                             torch_ops.LinearConfig(margin=margin))
     with pytest.raises(ValueError, match="margin"):
         torch_ops.FP8Linear(8, 4, margin=margin)
 
@@ -254,7 +254,7 @@ def test_retain_graph_and_two_losses_record_once():
         state = torch_ops.FP8LinearState.create(4)
         x = torch.randn(8, 16, requires_grad=True)
         w = torch.randn(4, 16, requires_grad=True)
-        y = torch_ops.fp8_linear(x, w, state=state, min_gemm_size=0)
+        y = torch_ops.fp8_linear(x, w, None, state, torch_ops.LinearConfig(min_gemm_size=0))
         if second == "retain_graph":
             y.sum().backward(retain_graph=True)
             y.sum().backward()
@@ -303,12 +303,13 @@ def test_torch_ops_state_and_argument_errors_are_named():
                          ("grad_amax_history", torch.zeros(())), ("kernel_amax_history", torch.zeros(0)),
                          ("grad_scale", torch.ones(2, 2))):
         with pytest.raises(ValueError, match=f"state.{field}"):
-            torch_ops.fp8_linear(x, w, state=state(**{field: value}), min_gemm_size=0)
+            torch_ops.fp8_linear(x, w, None, state(**{field: value}), torch_ops.LinearConfig(min_gemm_size=0))
     for bad in (-1, "x", 1.5):
         with pytest.raises(ValueError, match="min_gemm_size"):
-            torch_ops.fp8_linear(x, w, state=state(), min_gemm_size=bad)
+            torch_ops.LinearConfig(min_gemm_size=bad)
     with pytest.raises(TypeError, match=r"x: expected a torch.Tensor, got numpy.ndarray"):
-        torch_ops.fp8_linear(np.ones((8, 16), np.float32), w, state=state(), min_gemm_size=0)
+        torch_ops.fp8_linear(np.ones((8, 16), np.float32), w, None, state(),
+                             torch_ops.LinearConfig(min_gemm_size=0))
     with pytest.raises(ValueError, match="history_len"):
         torch_ops.FP8LinearState.create(2**62)
     with pytest.raises(ValueError, match="history_len"):

@@ -1,6 +1,6 @@
 """torch backend: FP8 layers run torch_ops, with the keras.ops reference's state.
 
-Every FP8 layer's matmul on the torch backend is `torch_ops.fp8_linear_folded`
+Every FP8 layer's matmul on the torch backend is `torch_ops.fp8_linear`
 (the compiled kernels on an FP8 GPU, torch_ops's reference elsewhere). After
 training calls its state must equal `keras_fp8.numerics` run explicitly
 (tests/support/keras_reference.py) bit for bit, and its outputs and gradients agree
@@ -55,39 +55,6 @@ def _train_call(layer, x, upstream):
         layer.grad_amax_pending.assign(pending_grad)
     db = None if layer.bias is None else to_numpy(layer.bias.value.grad)
     return to_numpy(y.detach()), to_numpy(xt.grad), to_numpy(layer._kernel.value.grad), db
-
-
-class _FastCall:
-    """Lets the FP8 layers' fast `__call__` run off the GPU too (it normally
-    needs the compiled kernels), and counts the calls that went through
-    Keras's generic `Layer.__call__`."""
-
-    def __enter__(self):
-        from keras.src.layers.layer import Layer
-
-        from keras_fp8.backends import torch as torch_backend
-
-        self.generic_calls = 0
-        self._kernels_for = torch_backend._kernels_for
-        torch_backend._kernels_for = lambda t: object()
-        self._call = Layer.__call__
-        original = self._call
-
-        def counting_call(layer, *args, **kwargs):
-            if isinstance(layer, (FP8Dense, FP8EinsumDense)):
-                self.generic_calls += 1
-            return original(layer, *args, **kwargs)
-
-        Layer.__call__ = counting_call
-        return self
-
-    def __exit__(self, *exc):
-        from keras.src.layers.layer import Layer
-
-        from keras_fp8.backends import torch as torch_backend
-
-        torch_backend._kernels_for = self._kernels_for
-        Layer.__call__ = self._call
 
 
 class ReferenceStateTest(parameterized.TestCase):
@@ -208,55 +175,47 @@ class ComputeDtypeBelowMinGemmSizeTest(parameterized.TestCase):
         assert_same_state(layer, ref.state)
 
 
-class _TrainRun:
-    def __init__(self, layer, outputs, generic_calls, output_dtype):
-        self.layer, self.outputs = layer, outputs
-        self.generic_calls, self.output_dtype = generic_calls, output_dtype
+def _compute_dtype_twin(layer, shape):
+    """The plain Keras layer `layer` computes below `min_gemm_size`: its
+    config without the FP8 arguments, under the policy's compute dtype, with
+    the same weights."""
+    config = layer.get_config()
+    config.pop("recipe"), config.pop("min_gemm_size")
+    config["dtype"] = {"bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}.get(layer.compute_dtype, "float32")
+    plain = (keras.layers.EinsumDense if isinstance(layer, FP8EinsumDense) else keras.layers.Dense)(**config)
+    plain.build(shape)
+    for mine, theirs in zip(layer.trainable_variables, plain.trainable_variables):
+        theirs.assign(mine)
+    return plain
 
 
-def _train_both_ways(make, shape, steps):
-    """`steps` training calls and backwards of a fresh `make()` layer (seed
-    0), once with the fast call and once without it, on the same inputs (in
-    the layer's compute dtype). Returns the two `_TrainRun`s; `outputs` holds
-    every step's y, dx, dkernel (and dbias), then the FP8 state."""
+def _train_steps(layer, shape, steps):
+    """`steps` training calls of `layer` through `call()` (Keras's
+    `Layer.__call__`) and their backwards, on inputs in its compute dtype;
+    the optimizer's overwrite of `grad_amax_pending` applied. Returns every
+    step's y, dx, dkernel (and dbias)."""
     import torch
 
-    from keras_fp8.backends import torch as torch_backend
-
-    runs = []
-    for fast in (True, False):
-        keras.utils.set_random_seed(0)
-        layer = make()
-        layer.build(shape)
-        dtype = getattr(torch, layer.compute_dtype)
-        original = torch_backend.fast_layer_call
-        if not fast:
-            torch_backend.fast_layer_call = lambda *a: None
-        try:
-            with _FastCall() as dispatch:
-                outs = []
-                for step in range(steps):
-                    x = torch.tensor(rng_normal(shape, step), device=_device()).to(dtype).requires_grad_()
-                    y = layer(x, training=True)
-                    y.float().square().sum().backward()
-                    pending = layer.grad_amax_pending.value.grad
-                    if pending is not None:  # none below min_gemm_size
-                        layer.grad_amax_pending.assign(pending)
-                    outs += [to_numpy(y.detach().float()), to_numpy(x.grad.float()),
-                             to_numpy(layer._kernel.value.grad)]
-                    if layer.bias is not None:
-                        outs.append(to_numpy(layer.bias.value.grad))
-                    for v in layer.trainable_variables:
-                        v.value.grad = None
-        finally:
-            torch_backend.fast_layer_call = original
-        outs += [to_numpy(v) for v in layer.fp8_state_variables]
-        runs.append(_TrainRun(layer, outs, dispatch.generic_calls, str(y.dtype).removeprefix("torch.")))
-    return runs
+    outs = []
+    for step in range(steps):
+        x = torch.tensor(rng_normal(shape, step), device=_device()).to(getattr(torch, layer.compute_dtype))
+        x.requires_grad_()
+        y = layer(x, training=True)
+        y.float().square().sum().backward()
+        pending = getattr(layer, "grad_amax_pending", None)
+        if pending is not None and pending.value.grad is not None:  # none below min_gemm_size
+            pending.assign(pending.value.grad)
+        outs += [to_numpy(y.detach().float()), to_numpy(x.grad.float()), to_numpy(layer._kernel.value.grad)]
+        if layer.bias is not None:
+            outs.append(to_numpy(layer.bias.value.grad))
+        for v in layer.trainable_variables:
+            v.value.grad = None
+    return outs
 
 
-class FastCallTest(parameterized.TestCase):
-    """The eager fast path of FP8 layers' `__call__` (torch backend)."""
+class CallTest(parameterized.TestCase):
+    """An FP8 layer is called through Keras's `Layer.__call__` like every
+    layer; its `call()` against the reference."""
 
     def _bf16(self, shape, seed):
         import torch
@@ -264,24 +223,49 @@ class FastCallTest(parameterized.TestCase):
         return torch.tensor(rng_normal(shape, seed), device=_device()).bfloat16()
 
     @parameterized.named_parameters(
-        ("dense", lambda: FP8Dense(24, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0), (16, 32)),
         ("dense_bias_relu", lambda: FP8Dense(24, activation="relu", dtype="fp8_hybrid[history_len=4]",
                                              min_gemm_size=0), (2, 8, 32)),
         ("dense_no_bias_e4m3", lambda: FP8Dense(24, use_bias=False, dtype="fp8_e4m3[history_len=4]",
                                                 min_gemm_size=0), (16, 32)),
         ("current", lambda: FP8Dense(24, dtype="fp8_hybrid[scaling=current]", min_gemm_size=0), (16, 32)),
-        ("einsum_heads_bias", lambda: FP8EinsumDense("abc,cde->abde", (None, 4, 6), bias_axes="de",
-                                                     dtype="fp8_hybrid[history_len=4]", min_gemm_size=0),
-         (2, 8, 32)),
-        ("einsum_out_proj_gelu", lambda: FP8EinsumDense("abcd,cde->abe", (None, 24), activation="gelu",
-                                                        dtype="fp8_hybrid[history_len=4]", min_gemm_size=0),
-         (2, 8, 4, 8)),
+        ("einsum_heads", lambda: FP8EinsumDense("abc,cde->abde", (None, 4, 6), dtype="fp8_hybrid[history_len=4]",
+                                                min_gemm_size=0), (2, 8, 32)),
     )
-    def test_fast_path_equals_keras_call(self, make, shape):
-        fast, generic = _train_both_ways(make, shape, steps=3)
-        self.assertEqual((fast.generic_calls, generic.generic_calls), (0, 3))
-        for a, b in zip(fast.outputs, generic.outputs):
-            np.testing.assert_array_equal(a, b)
+    def test_training_calls_equal_the_reference(self, make, shape):
+        import torch
+
+        keras.utils.set_random_seed(0)
+        layer = make()
+        layer.build(shape)
+        if layer.bias is not None:
+            layer.bias.assign(rng_normal(tuple(layer.bias.shape), 3, 0.5))
+        ref = ReferenceSteps(layer_state(layer), layer.dtype_policy.recipe, layer.compute_dtype)
+        k = shape[-1]
+        kernel = to_numpy(layer.kernel).reshape(k, -1)
+        n = kernel.shape[1]
+        bias = None if layer.bias is None else to_numpy(layer.bias).reshape(-1)
+        activation = keras.activations.get(layer.get_config()["activation"])
+        for step in range(3):
+            x = rng_normal(shape, 10 + step, 1.0 + step)
+            xt = torch.tensor(x, device=_device()).requires_grad_()
+            y = layer(xt, training=True)
+            up = rng_normal(tuple(y.shape), 20 + step, 10.0**-step)
+            (y.float() * torch.tensor(up, device=_device())).sum().backward()
+            layer.grad_amax_pending.assign(layer.grad_amax_pending.value.grad)
+            # The reference of the matmul (the activation is relu or none:
+            # where it passes, y is the matmul's output).
+            pre = ref.step(x.reshape(-1, k), kernel, (up * (to_numpy(y.detach().float()) != 0)
+                                                       if activation is keras.activations.relu
+                                                       else up).reshape(-1, n), bias)
+            ry = pre[0]
+            if activation is keras.activations.relu:
+                ry = np.maximum(ry, 0)
+            _assert_close(to_numpy(y.detach().float()).reshape(-1, n), ry, f"y, step {step}")
+            _assert_close(to_numpy(xt.grad).reshape(-1, k), pre[1], f"dx, step {step}")
+            _assert_close(to_numpy(layer._kernel.value.grad).reshape(k, n), pre[2], f"dkernel, step {step}")
+            assert_same_state(layer, ref.state)
+            for v in layer.trainable_variables:
+                v.value.grad = None
 
     @parameterized.named_parameters(
         ("bias_relu_rank3", dict(activation="relu"), "fp8_hybrid", (2, 8, 32)),
@@ -292,35 +276,22 @@ class FastCallTest(parameterized.TestCase):
         ("einsum_heads", dict(equation="abc,cde->abde", output_shape=(None, 4, 6), bias_axes="de"),
          "fp8_hybrid", (2, 8, 32)),
     )
-    def test_below_min_gemm_size_the_fast_path_equals_keras_call(self, kwargs, policy, shape):
-        # Below min_gemm_size the fast path runs Dense.call's compute-dtype
-        # matmul itself, on any device (no kernels needed): the same bits as
-        # the generic call, and the FP8 state does not move.
-        def make():
-            if "equation" in kwargs:
-                return FP8EinsumDense(dtype=policy, min_gemm_size=10**12, **kwargs)
-            return FP8Dense(24, dtype=policy, min_gemm_size=10**12, **kwargs)
-
+    def test_below_min_gemm_size_call_equals_the_keras_layer(self, kwargs, policy, shape):
+        # Below min_gemm_size (and for an empty batch) call() runs the base
+        # layer's call: the same bits as the plain Keras layer, and the FP8
+        # state does not move.
         keras.utils.set_random_seed(0)
-        fresh = make()
-        fresh.build(shape)
-        fast, generic = _train_both_ways(make, shape, steps=2)
-        self.assertEqual((fast.generic_calls, generic.generic_calls), (0, 2))
-        self.assertEqual(fast.output_dtype, fresh.compute_dtype)
-        for a, b in zip(fast.outputs, generic.outputs):
+        if "equation" in kwargs:
+            layer = FP8EinsumDense(dtype=policy, min_gemm_size=10**12, **kwargs)
+        else:
+            layer = FP8Dense(24, dtype=policy, min_gemm_size=10**12, **kwargs)
+        layer.build(shape)
+        before = [to_numpy(v) for v in layer.fp8_state_variables]
+        plain = _compute_dtype_twin(layer, shape)
+        for a, b in zip(_train_steps(layer, shape, 2), _train_steps(plain, shape, 2)):
             np.testing.assert_array_equal(a, b)
-        for run in (fast, generic):
-            for before, v in zip(fresh.fp8_state_variables, run.layer.fp8_state_variables):
-                np.testing.assert_array_equal(to_numpy(before), to_numpy(v))
-
-    def test_a_layer_without_autocast_takes_the_generic_path(self):
-        import torch
-
-        layer = FP8Dense(8, dtype="fp8_hybrid", min_gemm_size=10**12, autocast=False)
-        layer.build((4, 16))
-        with _FastCall() as dispatch:
-            layer(torch.ones(4, 16, dtype=torch.bfloat16, device=_device()))
-            self.assertEqual(dispatch.generic_calls, 1)
+        for v, was in zip(layer.fp8_state_variables, before):
+            np.testing.assert_array_equal(to_numpy(v), was)
 
     def test_training_comes_from_the_outer_call(self):
         class Block(keras.layers.Layer):
@@ -335,37 +306,47 @@ class FastCallTest(parameterized.TestCase):
 
         block = Block(dtype="mixed_bfloat16")
         x = self._bf16((8, 16), 0)
-        block(x)  # builds (generic path)
-        with _FastCall() as dispatch:
-            block(x)
-            self.assertEqual(np.count_nonzero(to_numpy(block.first.input_amax_history)), 0)
-            block(x, training=True)
-            self.assertEqual(np.count_nonzero(to_numpy(block.first.input_amax_history)), 1)
-            self.assertEqual(np.count_nonzero(to_numpy(block.frozen.input_amax_history)), 0)
-            block(x, training=False)
-            self.assertEqual(np.count_nonzero(to_numpy(block.first.input_amax_history)), 1)
-            self.assertEqual(dispatch.generic_calls, 0)
+        block(x)
+        self.assertEqual(np.count_nonzero(to_numpy(block.first.input_amax_history)), 0)
+        block(x, training=True)
+        self.assertEqual(np.count_nonzero(to_numpy(block.first.input_amax_history)), 1)
+        self.assertEqual(np.count_nonzero(to_numpy(block.frozen.input_amax_history)), 0)
+        block(x, training=False)
+        self.assertEqual(np.count_nonzero(to_numpy(block.first.input_amax_history)), 1)
 
-    def test_other_inputs_take_the_generic_path(self):
+    def test_casts_masks_hooks_and_input_checks(self):
         import torch
 
         layer = FP8Dense(8, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0)
         layer.build((4, 16))
-        with _FastCall() as dispatch:
-            layer(self._bf16((4, 16), 0).float(), training=True)  # needs a cast
-            self.assertEqual(dispatch.generic_calls, 1)
-            masked = self._bf16((4, 16), 1)
-            masked._keras_mask = torch.ones(4, dtype=torch.bool, device=masked.device)
-            layer(masked, training=True)
-            self.assertEqual(dispatch.generic_calls, 2)
-            with self.assertRaisesRegex(ValueError, "incompatible|expected"):
-                layer(self._bf16((4, 12), 2), training=True)  # Keras's input check
-            self.assertEqual(dispatch.generic_calls, 3)
-            handle = layer.register_forward_hook(lambda *a: None)
-            layer(self._bf16((4, 16), 3), training=True)
-            handle.remove()
-            self.assertEqual(dispatch.generic_calls, 4)
+        y = layer(self._bf16((4, 16), 0).float(), training=True)  # cast to the compute dtype
+        self.assertEqual(y.dtype, torch.bfloat16)
+        masked = self._bf16((4, 16), 1)
+        masked._keras_mask = torch.ones(4, dtype=torch.bool, device=masked.device)
+        layer(masked, training=True)
+        with self.assertRaisesRegex(ValueError, "incompatible|expected"):
+            layer(self._bf16((4, 12), 2), training=True)  # Keras's input check
+        seen = []
+        handle = layer.register_forward_hook(lambda *a: seen.append(True))
+        layer(self._bf16((4, 16), 3), training=True)
+        handle.remove()
+        self.assertEqual(seen, [True])
         self.assertEqual(np.count_nonzero(to_numpy(layer.input_amax_history)), 3)
+
+    def test_the_config_is_made_once_per_recipe(self):
+        from unittest import mock
+
+        from keras_fp8 import backends
+
+        layer = FP8Dense(8, dtype="fp8_hybrid[history_len=4]", min_gemm_size=0)
+        layer.build((4, 16))
+        with mock.patch.object(backends, "linear_config", wraps=backends.linear_config) as make:
+            for _ in range(3):
+                layer(self._bf16((4, 16), 0), training=True)
+            self.assertEqual(make.call_count, 1)
+            with keras_fp8.autocast("fp8_hybrid[scaling=current]"):
+                layer(self._bf16((4, 16), 0), training=True)
+            self.assertEqual(make.call_count, 2)
 
 
 class TorchCompileTest(parameterized.TestCase):

@@ -39,6 +39,9 @@ SCENARIOS = (
     ("ddp_no_broadcast", "ddp", dict(broadcast_buffers=False)),
     ("ddp_current", "ddp", dict(broadcast_buffers=True, scaling="current")),
     ("ddp_compiled", "ddp", dict(broadcast_buffers=False, compiled=True)),
+    # Process 1's batch is empty at step 1: it still takes part in every amax
+    # reduction (contributing zero), so the collectives stay paired.
+    ("ddp_empty_batch", "ddp", dict(broadcast_buffers=False, empty_rank=1, empty_step=1)),
     ("fsdp", "fsdp", dict()),
     ("fsdp_fp8_all_gather", "fsdp", dict(fp8_all_gather=True)),
     ("fsdp_fp8_all_gather_current", "fsdp", dict(fp8_all_gather=True, scaling="current")),
@@ -128,15 +131,18 @@ def run(rank, name, engine, options):
     record = {"states": [], "reference": [], "weights": []}
     for step in range(STEPS):
         x, target = batch(step)
+        # The ranks whose local batch is empty at this step.
+        empty = {options["empty_rank"]} if options.get("empty_step") == step else set()
         weights = full_weights(model)  # (a collective under FSDP2: every process)
         if reference is not None:  # one process, the whole batch, the same weights
             with torch.no_grad():
                 for pname, p in reference.named_parameters():
                     p.copy_(weights[pname])
+            kept = torch.cat([torch.arange(r * ROWS, (r + 1) * ROWS) for r in range(WORLD) if r not in empty])
             with fp8_dist.amax_reduction_group(None):
-                loss_fn(reference(x), target).backward()
+                loss_fn(reference(x[kept]), target[kept]).backward()
             record["reference"].append(states(reference))
-        rows = slice(rank * ROWS, (rank + 1) * ROWS)
+        rows = slice(rank * ROWS, rank * ROWS if rank in empty else (rank + 1) * ROWS)
         optimizer.zero_grad()
         loss_fn(wrapped(x[rows]), target[rows]).backward()
         optimizer.step()

@@ -1,4 +1,4 @@
-"""fp8_linear and fp8_linear_folded on every path, against the reference.
+"""fp8_linear on every route, against the reference.
 
 CPU (everywhere): the compile path (the torch.library ops, over the
 reference) against an FP8 linear composed explicitly from
@@ -9,6 +9,8 @@ entry and the kernels, CUDA-graph replay, torch.compile on the GPU.
 """
 
 from unittest import mock
+
+import dataclasses
 
 import pytest
 import torch
@@ -29,6 +31,31 @@ from tests.support.torch_checks import rand
 from tests.support.torch_checks import reference_block_linear
 from tests.support.torch_checks import reference_linear
 from tests.support.torch_checks import run_linear
+
+
+def linear(x, w, b=None, *, state, training=True, **options):
+    """``torch_ops.fp8_linear`` with the ``LinearConfig`` fields as keywords."""
+    return torch_ops.fp8_linear(x, w, b, state, torch_ops.LinearConfig(**options), training)
+
+
+def folded(x, w, b=None, *, state, pending, fold_state, training=True, window=None, **options):
+    """``torch_ops.fp8_linear`` on ``state`` with the gradient channel
+    ``(pending, fold_state)``."""
+    if isinstance(state, torch_ops.FP8LinearState):
+        state = dataclasses.replace(state, grad_amax_pending=pending, grad_fold_state=fold_state)
+    return torch_ops.fp8_linear(x, w, b, state, torch_ops.LinearConfig(fold_window=window, **options), training)
+
+
+def ops_route_only():
+    """Patches the route choice so that calls the C++ entry would take run
+    the torch.library ops instead."""
+    original = L._route
+
+    def route(*args):
+        taken, ext = original(*args)
+        return (L.OPS if taken is L.EAGER_ENTRY else taken), ext
+
+    return mock.patch.object(L, "_route", route)
 
 
 def make(M, K, N, layout="out_in", dtype=torch.bfloat16, bias=True, seed=0, lead=None, device=None):
@@ -82,34 +109,34 @@ class CompilePathTest(parameterized.TestCase):
     @parameterized.product(mkn=[(17, 9, 33), (64, 48, 40), (1, 16, 8)], layout=["out_in", "in_out"],
                            fmt=["hybrid", "e4m3"], scaling=["delayed", "current"])
     def test_equals_the_reference(self, mkn, layout, fmt, scaling):
-        _check_against_reference(torch_ops.fp8_linear, "cpu", mkn, layout, fmt, scaling, steps=3)
+        _check_against_reference(linear, "cpu", mkn, layout, fmt, scaling, steps=3)
 
     def test_rank3_fp16_and_fp32(self):
         for dtype in (torch.float16, torch.float32):
-            _check_against_reference(torch_ops.fp8_linear, "cpu", (6 * 5, 24, 16), "out_in", "hybrid", "delayed",
+            _check_against_reference(linear, "cpu", (6 * 5, 24, 16), "out_in", "hybrid", "delayed",
                                      lead=(6, 5), dtype=dtype)
 
     def test_inference_records_nothing(self):
         st = torch_ops.FP8LinearState.create(4)
         with torch.no_grad():
-            torch_ops.fp8_linear(torch.randn(3, 8), torch.randn(4, 8), state=st, training=False, min_gemm_size=0)
+            linear(torch.randn(3, 8), torch.randn(4, 8), state=st, training=False, min_gemm_size=0)
         for t in (st.input_amax_history, st.kernel_amax_history, st.grad_amax_history):
             self.assertEqual(t.abs().max().item(), 0.0)
 
     def test_inf_gradient_leaves_the_grad_state(self):
         x, w, b, gy = make(5, 8, 4, device="cpu")
         st = torch_ops.FP8LinearState.create(4)
-        run_linear(torch_ops.fp8_linear, x, w, b, gy, st, min_gemm_size=0)
+        run_linear(linear, x, w, b, gy, st, min_gemm_size=0)
         h, s = st.grad_amax_history.clone(), st.grad_scale.clone()
         gy = gy.clone()
         gy[1, 1] = float("-inf")
-        run_linear(torch_ops.fp8_linear, x, w, b, gy, st, min_gemm_size=0)
+        run_linear(linear, x, w, b, gy, st, min_gemm_size=0)
         self.assertTrue(torch.equal(st.grad_amax_history, h))
         self.assertTrue(torch.equal(st.grad_scale, s))
 
     def test_torch_compile_equals_eager(self):
         def fwd(x, w, b, state):
-            return torch_ops.fp8_linear(x, w, b, state=state, min_gemm_size=0)
+            return linear(x, w, b, state=state, min_gemm_size=0)
 
         results = []
         for f in (fwd, torch.compile(fwd, backend="aot_eager", fullgraph=True)):
@@ -137,7 +164,7 @@ def _check_block_against_reference(device, mkn, layout, fmt, power_of_two, dtype
               min_gemm_size=0)
     if device == "cuda":
         poison()
-    got = run_linear(fn or torch_ops.fp8_linear, x, w, b, gy, st, **kw)
+    got = run_linear(fn or linear, x, w, b, gy, st, **kw)
     want, sums = reference_block_linear(x, w, b, gy, fp8_format=fmt, margin=margin, power_of_two=power_of_two,
                                         weight_layout=layout, bounds=True)
     for name, g, r, abs_sum in zip(("y", "dx", "dw", "db"), got, want, sums + (None,)):
@@ -163,7 +190,7 @@ class BlockLinearTest(parameterized.TestCase):
 
     def test_torch_compile_equals_eager(self):
         def fwd(x, w, state):
-            return torch_ops.fp8_linear(x, w, state=state, scaling="block", min_gemm_size=0)
+            return linear(x, w, state=state, scaling="block", min_gemm_size=0)
 
         results = []
         for f in (fwd, torch.compile(fwd, backend="aot_eager", fullgraph=True)):
@@ -181,7 +208,7 @@ class BlockLinearTest(parameterized.TestCase):
         x = x.clone()
         x[1, 3] = float("inf")
         st = torch_ops.FP8LinearState.create(4)
-        y = torch_ops.fp8_linear(x, w, b, state=st, scaling="block", min_gemm_size=0)
+        y = linear(x, w, b, state=st, scaling="block", min_gemm_size=0)
         self.assertTrue(bool(torch.isnan(y[1]).all()))
         self.assertTrue(bool(torch.isfinite(y[[0, 2, 3]]).all()))
 
@@ -191,7 +218,7 @@ class BlockLinearTest(parameterized.TestCase):
         pending = torch.zeros(3, requires_grad=True)
         fold_state = torch.zeros(3)
         xx = x.clone().requires_grad_()
-        y = torch_ops.fp8_linear_folded(xx, w, b, state=st, pending=pending, fold_state=fold_state,
+        y = folded(xx, w, b, state=st, pending=pending, fold_state=fold_state,
                                         scaling="block", weight_layout="in_out", min_gemm_size=0)
         y.backward(gy)
         self.assertEqual(float(pending.grad[0]), float(gy.float().abs().max()))
@@ -219,7 +246,7 @@ class BlockLinearTest(parameterized.TestCase):
     )
     def test_bad_options_are_named(self, kwargs, message):
         with self.assertRaisesRegex(ValueError, message):
-            torch_ops.fp8_linear(torch.randn(4, 8), torch.randn(8, 8), state=torch_ops.FP8LinearState.create(4),
+            linear(torch.randn(4, 8), torch.randn(8, 8), state=torch_ops.FP8LinearState.create(4),
                                  min_gemm_size=0, **kwargs)
         with self.assertRaisesRegex(ValueError, message):
             torch_ops.FP8Linear(8, 8, **kwargs)
@@ -228,7 +255,7 @@ class BlockLinearTest(parameterized.TestCase):
         st = torch_ops.FP8LinearState.create(4)
         x = torch.zeros(0, 160, requires_grad=True)
         w = torch.randn(8, 160, requires_grad=True)
-        y = torch_ops.fp8_linear(x, w, state=st, scaling="block", min_gemm_size=0)
+        y = linear(x, w, state=st, scaling="block", min_gemm_size=0)
         self.assertEqual(tuple(y.shape), (0, 8))
         y.sum().backward()
         self.assertEqual(float(w.grad.abs().sum()), 0.0)
@@ -243,7 +270,7 @@ class ComputeDtypeTest(parameterized.TestCase):
         x, w, b, gy = make(6, 8, 4, layout, bias=bias, device="cpu")
         st = torch_ops.FP8LinearState.create(4)
         before = clone_state(st)
-        got = run_linear(torch_ops.fp8_linear, x, w, b, gy, st, weight_layout=layout, min_gemm_size=10**9)
+        got = run_linear(linear, x, w, b, gy, st, weight_layout=layout, min_gemm_size=10**9)
         w_nk = w.t() if layout == "in_out" else w
 
         def plain(xx, ww, bb, state):
@@ -264,31 +291,31 @@ class ComputeDtypeTest(parameterized.TestCase):
         self.assertEqual(torch_ops.get_settings().resolved_min_gemm_size(kernels=True),
                          torch_ops.DEFAULT_MIN_GEMM_SIZE)
         st = torch_ops.FP8LinearState.create(4)
-        torch_ops.fp8_linear(torch.randn(2, 8), torch.randn(4, 8), state=st)  # CPU default: FP8
+        linear(torch.randn(2, 8), torch.randn(4, 8), state=st)  # CPU default: FP8
         self.assertGreater(float(st.input_amax_history[0]), 0.0)
 
     def test_the_next_fp8_call_continues_the_state(self):
         x, w, b, gy = make(32, 16, 8, device="cpu")
         st = torch_ops.FP8LinearState.create(4)
         st_ref = clone_state(st)
-        run_linear(torch_ops.fp8_linear, x, w, b, gy, st, min_gemm_size=32 * 16 * 8)
+        run_linear(linear, x, w, b, gy, st, min_gemm_size=32 * 16 * 8)
         reference_linear(x, w, b, gy, st_ref)
         small = make(2, 16, 8, device="cpu", seed=5)
         for _ in range(3):
-            run_linear(torch_ops.fp8_linear, small[0] * 100, w, b, small[3], st, min_gemm_size=32 * 16 * 8)
+            run_linear(linear, small[0] * 100, w, b, small[3], st, min_gemm_size=32 * 16 * 8)
         assert_same_state(st, st_ref)
-        got = run_linear(torch_ops.fp8_linear, x * 3, w, b, gy, st, min_gemm_size=32 * 16 * 8)
+        got = run_linear(linear, x * 3, w, b, gy, st, min_gemm_size=32 * 16 * 8)
         want = reference_linear(x * 3, w, b, gy, st_ref)
         assert_close(got[0], want[0], 2**-7)
         assert_same_state(st, st_ref)
 
 
 class FoldedTest(parameterized.TestCase):
-    """fp8_linear_folded: the gradient channel (the Keras layers' call)."""
+    """A state with a gradient channel (the Keras layers' call)."""
 
     def _step(self, x, w, b, pending, fold_state, st, **kw):
         xx = x.clone().requires_grad_()
-        y = torch_ops.fp8_linear_folded(xx, w, b, state=st, pending=pending, fold_state=fold_state,
+        y = folded(xx, w, b, state=st, pending=pending, fold_state=fold_state,
                                         weight_layout="in_out", min_gemm_size=0, **kw)
         y.float().sum().backward()
         return y
@@ -315,7 +342,7 @@ class FoldedTest(parameterized.TestCase):
         b = (torch.randn(4) * 1e-3).requires_grad_()
         st = torch_ops.FP8LinearState.create(4)
         xx = x.clone().requires_grad_()
-        y = torch_ops.fp8_linear_folded(xx, torch.randn(16, 4) * 0.1, b, state=st, pending=torch.zeros(3),
+        y = folded(xx, torch.randn(16, 4) * 0.1, b, state=st, pending=torch.zeros(3),
                                         fold_state=torch.zeros(3), weight_layout="in_out", min_gemm_size=0)
         g = torch.randn_like(y)
         y.backward(g)
@@ -333,7 +360,54 @@ class FoldedTest(parameterized.TestCase):
                       weight_layout="in_out", min_gemm_size=0)
         kwargs.update(override)
         with self.assertRaisesRegex(error, name):
-            torch_ops.fp8_linear_folded(torch.randn(4, 16), torch.randn(16, 8), **kwargs)
+            folded(torch.randn(4, 16), torch.randn(16, 8), **kwargs)
+
+
+class LinearConfigTest(parameterized.TestCase):
+    @parameterized.parameters(
+        (dict(fp8_format="e5m2"), "fp8_format: expected one of"),
+        (dict(scaling="tensor"), "scaling: expected one of"),
+        (dict(margin=-1), "margin: expected a number from 0 to 8"),
+        (dict(amax_compute_algo="mean"), "amax_compute_algo: expected one of"),
+        (dict(fold_window=0), "fold_window: expected None or an integer >= 1, got 0"),
+        (dict(fast_accum_dgrad=1), "fast_accum_dgrad: expected a bool, got 1"),
+        (dict(weight_layout="nk"), "weight_layout: expected one of"),
+        (dict(min_gemm_size=-1), "min_gemm_size: expected None or an integer >= 0"),
+    )
+    def test_a_bad_field_is_named_once_at_construction(self, fields, message):
+        with self.assertRaisesRegex(ValueError, message):
+            torch_ops.LinearConfig(**fields)
+
+    def test_frozen_hashable_and_replaced(self):
+        config = torch_ops.LinearConfig(margin=1)
+        self.assertEqual(config.margin, 1.0)
+        self.assertEqual(config.grad_dtype, torch.float8_e5m2)
+        with self.assertRaises(dataclasses.FrozenInstanceError):
+            config.margin = 2.0
+        self.assertEqual({config: 1}[torch_ops.LinearConfig(margin=1.0)], 1)
+        self.assertEqual(config.replace(fp8_format="e4m3").grad_dtype, torch.float8_e4m3fn)
+        with self.assertRaisesRegex(ValueError, "scaling"):
+            config.replace(scaling="x")
+
+    def test_fast_accumulation_reaches_each_gemm(self):
+        """The config's per-GEMM fast accumulation is what each GEMM gets."""
+        seen = []
+        original = L.ops.gemm
+
+        def gemm(a, b, sa, sb, bias, out_dtype, fast, autotune):
+            seen.append(fast)
+            return original(a, b, sa, sb, bias, out_dtype, fast, autotune)
+
+        x, w, b, gy = make(8, 16, 4, device="cpu")
+        with mock.patch.object(L.ops, "gemm", gemm):
+            run_linear(linear, x, w, b, gy, torch_ops.FP8LinearState.create(4), min_gemm_size=0,
+                       fast_accum_forward=False, fast_accum_dgrad=True, fast_accum_wgrad=True)
+        self.assertEqual(seen, [False, True, True])
+
+    def test_config_must_be_a_linear_config(self):
+        with self.assertRaisesRegex(TypeError, "config: expected a torch_ops.LinearConfig, got dict"):
+            torch_ops.fp8_linear(torch.randn(2, 8), torch.randn(4, 8), None, torch_ops.FP8LinearState.create(4),
+                                 {"scaling": "current"})
 
 
 class BadInputTest(parameterized.TestCase):
@@ -341,19 +415,19 @@ class BadInputTest(parameterized.TestCase):
         st = torch_ops.FP8LinearState.create(4)
         w = torch.randn(4, 8)
         with self.assertRaisesRegex(TypeError, "x:"):
-            torch_ops.fp8_linear(torch.ones(3, 8, dtype=torch.int32), w, state=st)
+            linear(torch.ones(3, 8, dtype=torch.int32), w, state=st)
         with self.assertRaisesRegex(ValueError, "weight:"):
-            torch_ops.fp8_linear(torch.randn(3, 7), w, state=st)
+            linear(torch.randn(3, 7), w, state=st)
         with self.assertRaisesRegex(ValueError, "bias:"):
-            torch_ops.fp8_linear(torch.randn(3, 8), w, torch.randn(5), state=st)
+            linear(torch.randn(3, 8), w, torch.randn(5), state=st)
         with self.assertRaisesRegex(ValueError, "fp8_format:"):
-            torch_ops.fp8_linear(torch.randn(3, 8), w, state=st, fp8_format="e5m2")
+            linear(torch.randn(3, 8), w, state=st, fp8_format="e5m2")
         with self.assertRaisesRegex(ValueError, "margin:"):
-            torch_ops.fp8_linear(torch.randn(3, 8), w, state=st, margin=float("nan"))
+            linear(torch.randn(3, 8), w, state=st, margin=float("nan"))
         bad = torch_ops.FP8LinearState.create(4)
         bad.grad_scale = torch.ones((), dtype=torch.float64)
         with self.assertRaisesRegex(ValueError, "state.grad_scale"):
-            torch_ops.fp8_linear(torch.randn(3, 8), w, state=bad)
+            linear(torch.randn(3, 8), w, state=bad)
         with self.assertRaisesRegex(ValueError, "fp8_dtype:"):
             torch_ops.quantize(torch.randn(3), torch.ones(()), torch.float16)
         with self.assertRaisesRegex(ValueError, "scale:"):
@@ -381,13 +455,13 @@ class GpuLinearTest(parameterized.TestCase):
         M, K, N = mkn
         if M * K * N > 1e11 and (layout != "out_in" or fmt != "hybrid" or scaling != "delayed"):
             self.skipTest("large shape: one combination is enough")
-        _check_against_reference(torch_ops.fp8_linear, "cuda", mkn, layout, fmt, scaling)
+        _check_against_reference(linear, "cuda", mkn, layout, fmt, scaling)
 
     @parameterized.product(mkn=[(17, 9, 33), (2048, 1024, 512)], layout=["out_in", "in_out"],
                            scaling=["delayed", "current"])
     def test_compile_path_equals_the_reference(self, mkn, layout, scaling):
-        with mock.patch.object(L, "_eager_entry", return_value=None):
-            _check_against_reference(torch_ops.fp8_linear, "cuda", mkn, layout, "hybrid", scaling)
+        with ops_route_only():
+            _check_against_reference(linear, "cuda", mkn, layout, "hybrid", scaling)
 
     @parameterized.parameters("delayed", "current")
     def test_eager_entry_equals_compile_path_bit_for_bit(self, scaling):
@@ -395,17 +469,17 @@ class GpuLinearTest(parameterized.TestCase):
         results = []
         for entry in (True, False):
             st = torch_ops.FP8LinearState.create(8, device="cuda")
-            with mock.patch.object(L, "_eager_entry", wraps=L._eager_entry if entry else (lambda *a: None)):
+            with (mock.patch.object(L, "_route", wraps=L._route) if entry else ops_route_only()):
                 for _ in range(3):
-                    out = run_linear(torch_ops.fp8_linear, x, w, b, gy, st, weight_layout="in_out",
+                    out = run_linear(linear, x, w, b, gy, st, weight_layout="in_out",
                                      scaling=scaling, min_gemm_size=0)
             results.append(out + st.tensors())
         for u, v in zip(*results):
             self.assertTrue(torch.equal(u, v))
 
     def test_the_eager_entry_serves_plain_cuda_tensors(self):
-        """fp8_linear and fp8_linear_folded on plain CUDA tensors are one C++
-        call each (an argument mismatch would fall back to Python silently)."""
+        """fp8_linear on plain CUDA tensors is one C++ call, with or without
+        a gradient channel (the route is chosen in Python, once)."""
         from torch_ops import extension
 
         ext = extension.kernels_for(torch.zeros(1, device="cuda"))
@@ -422,16 +496,15 @@ class GpuLinearTest(parameterized.TestCase):
             return call
 
         x, w, b, gy = make(64, 32, 16)
-        with mock.patch.object(ext, "linear", spy("linear")), \
-                mock.patch.object(ext, "linear_folded", spy("linear_folded")):
-            run_linear(torch_ops.fp8_linear, x, w, b, gy, torch_ops.FP8LinearState.create(4, device="cuda"),
+        with mock.patch.object(ext, "linear", spy("linear")):
+            run_linear(linear, x, w, b, gy, torch_ops.FP8LinearState.create(4, device="cuda"),
                        min_gemm_size=0)
             pending = torch.zeros(3, device="cuda", requires_grad=True)
-            y = torch_ops.fp8_linear_folded(x, w.t().contiguous(), b, state=torch_ops.FP8LinearState.create(
+            y = folded(x, w.t().contiguous(), b, state=torch_ops.FP8LinearState.create(
                 4, device="cuda"), pending=pending, fold_state=torch.zeros(3, device="cuda"),
                 weight_layout="in_out", window=4, min_gemm_size=0)
             y.backward(gy)
-        self.assertEqual(served, [("linear", True), ("linear_folded", True)])
+        self.assertEqual(served, [("linear", True), ("linear", True)])
         self.assertEqual(float(pending.grad[1]), 1.0)  # the token of the first fold
 
     @parameterized.parameters(True, False)
@@ -440,7 +513,7 @@ class GpuLinearTest(parameterized.TestCase):
         steps = 3
         st_e = torch_ops.FP8LinearState.create(8, device="cuda")
         for _ in range(steps):
-            want = run_linear(torch_ops.fp8_linear, x, w, b, gy, st_e, min_gemm_size=0)
+            want = run_linear(linear, x, w, b, gy, st_e, min_gemm_size=0)
         st = torch_ops.FP8LinearState.create(8, device="cuda")
         warm = torch_ops.FP8LinearState.create(8, device="cuda")
         sx, sw = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -449,14 +522,14 @@ class GpuLinearTest(parameterized.TestCase):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                torch_ops.fp8_linear(sx, sw, sb, state=warm, min_gemm_size=0).backward(gy)
+                linear(sx, sw, sb, state=warm, min_gemm_size=0).backward(gy)
         torch.cuda.current_stream().wait_stream(side)
         sx.grad = sw.grad = None
         if bias:
             sb.grad = None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y = torch_ops.fp8_linear(sx, sw, sb, state=st, min_gemm_size=0)
+            y = linear(sx, sw, sb, state=st, min_gemm_size=0)
             y.backward(gy)
         for t in st.tensors():  # the capture ran nothing
             self.assertIn(float(t.abs().max()), (0.0, 1.0))
@@ -474,7 +547,7 @@ class GpuLinearTest(parameterized.TestCase):
         x, w, b, gy = make(4 * 128, 256, 192, lead=(4, 128))
 
         def f(xx, ww, bb, state):
-            return torch_ops.fp8_linear(xx, ww, bb, state=state, min_gemm_size=0)
+            return linear(xx, ww, bb, state=state, min_gemm_size=0)
 
         compiled = torch.compile(f, fullgraph=True)
         st_e = torch_ops.FP8LinearState.create(8, device="cuda")
@@ -496,11 +569,11 @@ class GpuLinearTest(parameterized.TestCase):
             pending = torch.zeros(3, device="cuda", requires_grad=True)
             fold_state = torch.zeros(3, device="cuda")
             outs = []
-            with mock.patch.object(L, "_eager_entry", wraps=L._eager_entry if entry else (lambda *a: None)):
+            with (mock.patch.object(L, "_route", wraps=L._route) if entry else ops_route_only()):
                 for _ in range(3):
                     xx = x.clone().requires_grad_()
                     pending.grad = None
-                    y = torch_ops.fp8_linear_folded(xx, w, b, state=st, pending=pending, fold_state=fold_state,
+                    y = folded(xx, w, b, state=st, pending=pending, fold_state=fold_state,
                                                     weight_layout="in_out", scaling=scaling, min_gemm_size=0)
                     y.backward(gy)
                     outs += [y.detach(), xx.grad, pending.grad.clone()]
@@ -513,11 +586,11 @@ class GpuLinearTest(parameterized.TestCase):
     def test_bad_inputs_on_cuda(self):
         st = torch_ops.FP8LinearState.create(4)  # CPU state
         with self.assertRaisesRegex(ValueError, "state.input_scale"):
-            torch_ops.fp8_linear(torch.randn(4, 8, device="cuda"), torch.randn(4, 8, device="cuda"), state=st,
+            linear(torch.randn(4, 8, device="cuda"), torch.randn(4, 8, device="cuda"), state=st,
                                  min_gemm_size=0)
         st = torch_ops.FP8LinearState.create(4, device="cuda")
         with self.assertRaisesRegex(ValueError, "weight:"):
-            torch_ops.fp8_linear(torch.randn(4, 8, device="cuda"), torch.randn(4, 8), state=st, min_gemm_size=0)
+            linear(torch.randn(4, 8, device="cuda"), torch.randn(4, 8), state=st, min_gemm_size=0)
 
 
 @needs_fp8_gpu
@@ -540,7 +613,7 @@ class GpuBlockLinearTest(parameterized.TestCase):
         pending = torch.zeros(3, device="cuda", requires_grad=True)
         fold_state = torch.zeros(3, device="cuda")
         xx = x.clone().requires_grad_()
-        y = torch_ops.fp8_linear_folded(xx, w, b, state=st, pending=pending, fold_state=fold_state,
+        y = folded(xx, w, b, state=st, pending=pending, fold_state=fold_state,
                                         scaling="block", weight_layout="in_out", min_gemm_size=0)
         y.backward(gy)
         self.assertEqual(float(pending.grad[0]), float(gy.float().abs().max()))
@@ -553,7 +626,7 @@ class GpuBlockLinearTest(parameterized.TestCase):
         st = torch_ops.FP8LinearState.create(1, device="cuda")
 
         def fwd(x, w, b):
-            return torch_ops.fp8_linear(x, w, b, state=st, scaling="block", min_gemm_size=0)
+            return linear(x, w, b, state=st, scaling="block", min_gemm_size=0)
 
         got = run_linear(lambda x, w, b, state: torch.compile(fwd)(x, w, b), x, w, b, gy, st)
         want = run_linear(lambda x, w, b, state: fwd(x, w, b), x, w, b, gy, st)
