@@ -116,8 +116,11 @@ class FP8Adam(_FP8Moments, keras.optimizers.Adam):
     dequantized moments. `isinstance(opt, keras.optimizers.Adam)` holds.
 
     Args:
-        learning_rate, beta_1, beta_2, epsilon: As for `keras.optimizers.Adam`
-            (`beta_1`, `beta_2`: Python numbers in [0, 1)).
+        learning_rate: A float, a `LearningRateSchedule` or a callable, as
+            for `keras.optimizers.Adam`.
+        beta_1: The first moment's decay, a Python number in [0, 1).
+        beta_2: The second moment's decay, a Python number in [0, 1).
+        epsilon: Added to `sqrt(v)`, a Python number >= 0.
         amsgrad: Must be `False` (not supported with FP8 moments).
         **kwargs: The base optimizer's arguments (`weight_decay`,
             `clipnorm`, `global_clipnorm`, `use_ema`,
@@ -144,11 +147,16 @@ class FP8AdamW(_FP8Moments, keras.optimizers.AdamW):
     decay. `isinstance(opt, keras.optimizers.AdamW)` holds.
 
     Args:
-        learning_rate, weight_decay, beta_1, beta_2, epsilon: As for
-            `keras.optimizers.AdamW` (`beta_1`, `beta_2`: Python numbers in
-            [0, 1)).
+        learning_rate: A float, a `LearningRateSchedule` or a callable, as
+            for `keras.optimizers.AdamW`.
+        weight_decay: The decoupled weight decay.
+        beta_1: The first moment's decay, a Python number in [0, 1).
+        beta_2: The second moment's decay, a Python number in [0, 1).
+        epsilon: Added to `sqrt(v)`, a Python number >= 0.
         amsgrad: Must be `False` (not supported with FP8 moments).
-        **kwargs: The base optimizer's arguments.
+        **kwargs: The base optimizer's arguments (`clipnorm`,
+            `global_clipnorm`, `use_ema`, `gradient_accumulation_steps`,
+            `name`, ...).
 
     Example:
 
