@@ -606,13 +606,28 @@ def dequantize_first_moment(q, scales):
     return _from_moment_blocks(ops.multiply(t, ops.expand_dims(scales, -1)), n, q.shape)
 
 
+def _power_of_two_at_least(s):
+    """The smallest power of two `>= s`, for positive, normal, finite float32
+    `s` below 2**127: `s` itself when its mantissa bits are zero, else the
+    next exponent with a zero mantissa. Exact, from the bits (no `log2`, no
+    table to copy to the device)."""
+    bits = ops.view(ops.cast(s, "float32"), "int32")
+    exponent = ops.bitwise_and(bits, 0x7F800000)
+    mantissa = ops.bitwise_and(bits, 0x007FFFFF)
+    up = ops.where(ops.equal(mantissa, 0), exponent, ops.add(exponent, 0x00800000))
+    return ops.view(up, "float32")
+
+
 def _root_scale(amax):
     """The power of two `>= max(amax * f32(1 / FLOAT16_MAX), 2**-126)`; 1 for
     a block of zeros or with a non-finite value."""
     base = ops.maximum(
         ops.multiply(amax, _float32_constant(1.0 / FLOAT16_MAX)), _float32_constant(MIN_SCALE)
     )
-    return ops.where(is_usable_amax(amax), _power_of_two_ceil(base), ops.ones_like(base))
+    usable = is_usable_amax(amax)
+    # Unusable blocks (inf, NaN) go through the bits as 1, then get 1.
+    base = ops.where(usable, base, ops.ones_like(base))
+    return ops.where(usable, _power_of_two_at_least(base), ops.ones_like(base))
 
 
 def quantize_second_moment(v):

@@ -81,6 +81,19 @@ class MomentQuantizationTest(parameterized.TestCase):
             normal = r > block_max * 2.0**-14
             np.testing.assert_allclose(r_back[normal], r[normal], rtol=2.0**-11)
 
+    def test_root_scale_edges(self):
+        """The power-of-two scale at its edges: amaxes whose base is exactly a
+        power of two or an ulp either side, the floor, the largest float32."""
+        f32max = float(np.finfo(np.float32).max)
+        amax = [65504.0, 65504.0 * 2.0**-30, 65504.0 * 2.0**40, 1e-30, 2e-38, 0.0, f32max, np.inf, np.nan]
+        amax = np.array(amax, np.float32)
+        amax = np.concatenate([amax, np.nextafter(amax[:3], np.float32(np.inf)),
+                               np.nextafter(amax[:3], np.float32(0))]).astype(np.float32)
+        got = _numpy(numerics._root_scale(ops.convert_to_tensor(amax)))
+        np.testing.assert_array_equal(got, [reference.root_scale(a) for a in amax])
+        np.testing.assert_array_equal(got[:3], [1.0, 2.0**-30, 2.0**40])
+        np.testing.assert_array_equal(got[4:9], [2.0**-126, 1.0, 2.0**113, 1.0, 1.0])
+
     def test_special_values(self):
         m = np.zeros(300, np.float32)
         m[5], m[7] = np.nan, 3.0            # block 0: NaN
