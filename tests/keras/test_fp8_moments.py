@@ -70,12 +70,11 @@ def _all_state(model):
 
 
 class TrainingTest(parameterized.TestCase):
-    @parameterized.named_parameters(("adamw", FP8AdamW, keras.optimizers.AdamW), ("adam", FP8Adam,
-                                                                                   keras.optimizers.Adam))
-    def test_mlp_loss_tracks_the_float32_optimizer(self, fp8_cls, keras_cls):
+    def test_mlp_loss_tracks_adamw(self):
+        # FP8Adam runs the same update (tests/reference checks both).
         x, y = _regression_data()
-        plain = _mlp(keras_cls(3e-3)).fit(x, y, batch_size=32, epochs=5, shuffle=False, verbose=0)
-        fp8 = _mlp(fp8_cls(3e-3)).fit(x, y, batch_size=32, epochs=5, shuffle=False, verbose=0)
+        plain = _mlp(keras.optimizers.AdamW(3e-3)).fit(x, y, batch_size=32, epochs=5, shuffle=False, verbose=0)
+        fp8 = _mlp(FP8AdamW(3e-3)).fit(x, y, batch_size=32, epochs=5, shuffle=False, verbose=0)
         plain, fp8 = np.array(plain.history["loss"]), np.array(fp8.history["loss"])
         self.assertLess(fp8[-1], 0.5 * fp8[0])  # it trains
         # Each epoch's mean loss within 2% of the float32 optimizer's.
@@ -145,7 +144,7 @@ class TrainingTest(parameterized.TestCase):
                 grads = [v.value.grad for v in model.trainable_variables]
                 with torch.no_grad():
                     optimizer.apply(grads, model.trainable_variables)
-                losses.append(float(loss))
+                losses.append(float(to_numpy(loss.detach())))
         else:
             import jax
 
