@@ -22,8 +22,9 @@ from keras.saving import register_keras_serializable
 
 from keras_fp8 import numerics
 
-# The E4M3 payload is stored as its bytes: a float8 variable is not saved by
-# every Keras backend's `.keras` writer (h5py has no float8 dtype).
+# The E4M3 payload is stored as its bytes: a float8 Keras variable does not
+# survive a `.keras` file (torch cannot hand a float8 tensor to NumPy, and
+# h5py writes float8 arrays as opaque bytes that Keras does not read back).
 _PAYLOAD_DTYPE = "uint8"
 _E4M3 = "float8_e4m3fn"
 
