@@ -551,8 +551,8 @@ def block_backward(grad, residuals, emit_token, recipe, x_dtype, kernel_dtype, m
 # - the first moment `m` in E4M3, the scale from the block's amax as block
 #   scaling computes it (`block_scale`);
 # - the second moment as its square root `r = sqrt(v)` in float16, the scale
-#   the power of two that maps the block's largest `r` into float16's top
-#   binade. The square root halves `v`'s dynamic range (that of the squared
+#   the smallest power of two that keeps the block's largest `r` within
+#   float16's range. The square root halves `v`'s dynamic range (that of the squared
 #   gradients), float16's 11 significant bits keep Adam's slow decay of `v`
 #   (1 - sqrt(beta_2) per step, 5e-4 at beta_2 = 0.999, above float16's
 #   relative half step of 4.9e-4), which bfloat16's 8 would round away.
