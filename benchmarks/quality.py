@@ -17,7 +17,10 @@ the same order:
 
 each FP8 policy with `min_gemm_size=0`, so that every projection runs FP8 at
 these sizes. AdamW (beta_2 0.95, weight decay 0.1, global gradient norm
-clipped at 1), linear warm-up then cosine decay to a tenth.
+clipped at 1), linear warm-up then cosine decay to a tenth. With
+`--fp8-moments` every recipe but bf16 trains with
+`keras_fp8.optimizers.FP8AdamW` (the same arguments, its moments in FP8), so
+the gaps to bf16 (plain AdamW) include the moments' effect.
 
 Data (no downloads): `--corpus docs` is `benchmarks/data/python_docs.txt`
 (CPython's documentation topics and standard-library docstrings, shipped;
@@ -82,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds: a recipe is not started where less is left than the longest one took")
     p.add_argument("--dry-run", action="store_true", help="the tiny size")
+    p.add_argument("--fp8-moments", action="store_true",
+                   help="every recipe but bf16 trains with keras_fp8.optimizers.FP8AdamW (Adam's moments in FP8)")
     p.add_argument("--jax-xla-fp8", action="store_true",
                    help="JAX: XLA's quantize fusions and FP8 dot instead of the backend's custom calls "
                         "(jax_gemm.set_enabled(False))")
@@ -162,7 +167,7 @@ def batches(args, train, val):
 
 
 # --------------------------------------------------------------------------- model
-def build_model(args, policy):
+def build_model(args, policy, fp8_moments=False):
     import keras
     from keras import ops
 
@@ -210,18 +215,24 @@ def build_model(args, policy):
         keras.mixed_precision.set_global_policy("float32")
     schedule = keras.optimizers.schedules.CosineDecay(
         0.0, decay_steps=args.steps - args.warmup, alpha=0.1, warmup_target=args.lr, warmup_steps=args.warmup)
+    optimizer = keras.optimizers.AdamW(schedule, beta_2=0.95, weight_decay=0.1, global_clipnorm=1.0)
+    if fp8_moments:
+        import keras_fp8
+
+        optimizer = keras_fp8.optimizers.fp8_moments(optimizer)
     model.compile(
-        optimizer=keras.optimizers.AdamW(schedule, beta_2=0.95, weight_decay=0.1, global_clipnorm=1.0),
+        optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     return model
 
 
-def train(args, policy, x, y, xv, yv):
-    """Trains one model; returns its curves and counters."""
+def train(args, policy, x, y, xv, yv, fp8_moments=False):
+    """Trains one model (its AdamW's moments in FP8 with `fp8_moments`);
+    returns its curves and counters."""
     import keras
 
-    model = build_model(args, policy)
+    model = build_model(args, policy, fp8_moments)
     step_losses = []
 
     class StepLosses(keras.callbacks.Callback):
@@ -253,6 +264,7 @@ def train(args, policy, x, y, xv, yv):
     iterations = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
     out = {
         "policy": policy,
+        "fp8_moments": fp8_moments,
         "curve": curve,
         "step_losses": step_losses,
         "final_train": curve[-1]["train"],
@@ -305,7 +317,8 @@ def table(results):
         def pct(v):
             return "-" if g is None or not math.isfinite(v) else f"{100 * v:+.2f}%"
 
-        out.append(f"| {name} | `{r['policy']}` | {r['final_train']:.4f} | {r['final_val']:.4f} "
+        moments = " + FP8 moments" if r.get("fp8_moments") else ""
+        out.append(f"| {name} | `{r['policy']}`{moments} | {r['final_train']:.4f} | {r['final_val']:.4f} "
                    f"| {pct(g['gap_val']) if g else '-'} | {pct(g['max_gap_val']) if g else '-'} "
                    f"| {pct(g['max_gap_train']) if g else '-'} | {r['nonfinite']} | {r['skipped']} "
                    f"| {r['ms_per_step']:.1f} |")
@@ -487,7 +500,8 @@ def main(argv=None):
             timing.emit({"recipe": name, **results[name]})
             continue
         try:
-            results[name] = train(args, RECIPES[name], x, y, xv, yv)
+            results[name] = train(args, RECIPES[name], x, y, xv, yv,
+                                  fp8_moments=args.fp8_moments and name != "bf16")
         except Exception as e:  # noqa: BLE001 (the row says n/a)
             results[name] = {"policy": RECIPES[name], "error": timing.describe_error(e)}
             keras.backend.clear_session()

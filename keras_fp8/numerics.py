@@ -536,3 +536,160 @@ def block_backward(grad, residuals, emit_token, recipe, x_dtype, kernel_dtype, m
     dkernel = matmul(ops.transpose(x_qc), ops.transpose(x_sc), g_qc, g_sc, kernel_dtype, b_tiles=True)
     amax = compute_amax(grad)
     return dx, dkernel, pending_cotangent(amax, emit_token)
+
+
+# --------------------------------------------------------------------------- FP8 optimizer moments
+# Adam's state in 3 bytes a parameter instead of 8 (`keras_fp8.optimizers.FP8AdamW`;
+# docs/numerics.md, "Optimizer moments"). Both moments are cut into blocks of
+# MOMENT_BLOCK contiguous elements of the flattened variable (the last block
+# shorter), one float32 scale a block:
+# - the first moment `m` in E4M3, the scale from the block's amax as block
+#   scaling computes it (`block_scale`);
+# - the second moment as its square root `r = sqrt(v)` in float16, the scale
+#   the smallest power of two that keeps the block's largest `r` within
+#   float16's range. The square root halves `v`'s dynamic range (that of the squared
+#   gradients), float16's 11 significant bits keep Adam's slow decay of `v`
+#   (1 - sqrt(beta_2) per step, 5e-4 at beta_2 = 0.999, above float16's
+#   relative half step of 4.9e-4), which bfloat16's 8 would round away.
+MOMENT_BLOCK = 128
+FLOAT16_MAX = 65504.0
+
+
+def _moment_blocks(x):
+    """`x` (any shape) flattened to float32 `(blocks, MOMENT_BLOCK)` rows,
+    zero padded, and its number of elements."""
+    flat = ops.reshape(ops.cast(x, "float32"), (-1,))
+    n = flat.shape[0]
+    blocks = -(-n // MOMENT_BLOCK)
+    if blocks * MOMENT_BLOCK != n:
+        flat = ops.pad(flat, ((0, blocks * MOMENT_BLOCK - n),))
+    return ops.reshape(flat, (blocks, MOMENT_BLOCK)), n
+
+
+def _from_moment_blocks(t, n, shape):
+    """The first `n` elements of the rows `t`, in `shape`."""
+    return ops.reshape(ops.reshape(t, (-1,))[:n], shape)
+
+
+def moment_blocks(shape):
+    """The number of MOMENT_BLOCK-element blocks of a variable of `shape`
+    (the length of its moments' scale vectors)."""
+    return -(-int(np.prod(shape, dtype=np.int64)) // MOMENT_BLOCK)
+
+
+def quantize_first_moment(m):
+    """Quantizes Adam's first moment to E4M3, one scale per block.
+
+    Args:
+        m: A float tensor, any shape.
+
+    Returns:
+        `(q, scales)`: `q` a `float8_e4m3fn` tensor shaped like `m`, each
+        element `Quantize(m, its block's scale)`; `scales` float32 of shape
+        `(moment_blocks(m.shape),)`, `block_scale(amax, "e4m3")` of each
+        block (1 for a block of zeros or with a non-finite value).
+    """
+    t, n = _moment_blocks(m)
+    scales = block_scale(_tile_amax(t, 1), "e4m3")
+    q = _quantize_scaled(t, ops.expand_dims(scales, -1), "e4m3")
+    return _from_moment_blocks(q, n, m.shape), scales
+
+
+def dequantize_first_moment(q, scales):
+    """`q * scale` of each block, float32, shaped like `q` (an E4M3 tensor)."""
+    t, n = _moment_blocks(widen(q))
+    return _from_moment_blocks(ops.multiply(t, ops.expand_dims(scales, -1)), n, q.shape)
+
+
+def _power_of_two_at_least(s):
+    """The smallest power of two `>= s`, for positive, normal, finite float32
+    `s` below 2**127: `s` itself when its mantissa bits are zero, else the
+    next exponent with a zero mantissa. Exact, from the bits (no `log2`, no
+    table to copy to the device)."""
+    bits = ops.view(ops.cast(s, "float32"), "int32")
+    exponent = ops.bitwise_and(bits, 0x7F800000)
+    mantissa = ops.bitwise_and(bits, 0x007FFFFF)
+    up = ops.where(ops.equal(mantissa, 0), exponent, ops.add(exponent, 0x00800000))
+    return ops.view(up, "float32")
+
+
+def _root_scale(amax):
+    """The power of two `>= max(amax * f32(1 / FLOAT16_MAX), 2**-126)`; 1 for
+    a block of zeros or with a non-finite value."""
+    base = ops.maximum(
+        ops.multiply(amax, _float32_constant(1.0 / FLOAT16_MAX)), _float32_constant(MIN_SCALE)
+    )
+    usable = is_usable_amax(amax)
+    # Unusable blocks (inf, NaN) go through the bits as 1, then get 1.
+    base = ops.where(usable, base, ops.ones_like(base))
+    return ops.where(usable, _power_of_two_at_least(base), ops.ones_like(base))
+
+
+def quantize_second_moment(v):
+    """Stores Adam's second moment as `sqrt(v)` in float16, one power-of-two
+    scale per block.
+
+    Args:
+        v: A float tensor (non-negative), any shape.
+
+    Returns:
+        `(q, scales)`: `q` a float16 tensor shaped like `v`,
+        `cast_RNE(clip(sqrt(v) * (1 / scale), -FLOAT16_MAX, FLOAT16_MAX))`
+        (inf becomes NaN, as in `quantize`); `scales` float32 of shape
+        `(moment_blocks(v.shape),)`.
+    """
+    t, n = _moment_blocks(ops.sqrt(ops.cast(v, "float32")))
+    scales = ops.expand_dims(_root_scale(_tile_amax(t, 1)), -1)
+    scaled = ops.where(ops.isinf(t), float("nan"), ops.multiply(t, reciprocal(scales)))
+    q = ops.cast(ops.clip(scaled, -FLOAT16_MAX, FLOAT16_MAX), "float16")
+    return _from_moment_blocks(q, n, v.shape), ops.squeeze(scales, -1)
+
+
+def dequantize_second_moment(q, scales):
+    """`(q * scale)**2` of each block, float32, shaped like `q` (a float16
+    tensor). Exact: `q * scale` (a power of two) has at most 11 significant
+    bits, its square at most 22."""
+    # The barrier: a compiler may fold float32 -> float16 -> float32 (where
+    # the quantization and this widening meet in one compiled function) into
+    # nothing; the stored value is the float16 one.
+    t, n = _moment_blocks(ops.cast(backends.keep_rounding(q), "float32"))
+    r = ops.multiply(t, ops.expand_dims(scales, -1))
+    return _from_moment_blocks(ops.multiply(r, r), n, q.shape)
+
+
+def adam_update_fp8_moments(variable, gradient, m_q, m_scales, v_q, v_scales, learning_rate, iteration,
+                            beta_1, beta_2, epsilon):
+    """One Adam step on moments stored in FP8 (`m`) and float16 (`sqrt(v)`).
+
+    The moments are dequantized, Keras's Adam update runs in float32 with
+    the same operations in the same order, the weight moves by the float32
+    (not re-quantized) moments, and the new moments are quantized.
+    AdamW's decoupled weight decay is applied before, by the optimizer.
+
+    Args:
+        variable: The weight (float32 master weight, or any float dtype).
+        gradient: Its gradient.
+        m_q, m_scales: The first moment (`quantize_first_moment`).
+        v_q, v_scales: The second moment (`quantize_second_moment`).
+        learning_rate: Scalar.
+        iteration: The number of steps taken before this one (the first
+            step is 0).
+        beta_1, beta_2, epsilon: Python floats, as for `keras.optimizers.Adam`.
+
+    Returns:
+        `(new_variable, m_q, m_scales, v_q, v_scales)`, the variable in
+        float32 (the caller rounds it to the variable's dtype).
+    """
+    lr = ops.cast(learning_rate, "float32")
+    g = ops.cast(gradient, "float32")
+    w = ops.cast(variable, "float32")
+    local_step = ops.cast(iteration + 1, "float32")
+    beta_1_power = ops.power(_float32_constant(beta_1), local_step)
+    beta_2_power = ops.power(_float32_constant(beta_2), local_step)
+    alpha = lr * ops.sqrt(1.0 - beta_2_power) / (1.0 - beta_1_power)
+    m = dequantize_first_moment(m_q, m_scales)
+    v = dequantize_second_moment(v_q, v_scales)
+    m = ops.add(m, ops.multiply(ops.subtract(g, m), _float32_constant(1.0 - beta_1)))
+    v = ops.add(v, ops.multiply(ops.subtract(ops.square(g), v), _float32_constant(1.0 - beta_2)))
+    w = ops.subtract(w, ops.divide(ops.multiply(m, alpha), ops.add(ops.sqrt(v), _float32_constant(epsilon))))
+    return (w,) + quantize_first_moment(m) + quantize_second_moment(v)

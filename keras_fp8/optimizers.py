@@ -14,6 +14,9 @@ recorded from that step.
 class when the model's policy is an FP8 float16 policy
 (`"fp8_hybrid_float16"`, `"fp8_e4m3_float16"`), as Keras does for
 `"mixed_float16"`.
+
+`FP8Adam`, `FP8AdamW` and `fp8_moments` (`keras_fp8/moments.py`) keep Adam's
+moments in FP8; they compose with `LossScaleOptimizer` (wrap the FP8 one).
 """
 
 import keras
@@ -22,6 +25,9 @@ from keras.saving import register_keras_serializable
 
 from keras_fp8 import compat
 from keras_fp8 import policy as policy_lib
+from keras_fp8.moments import FP8Adam  # noqa: F401 (public here)
+from keras_fp8.moments import FP8AdamW  # noqa: F401
+from keras_fp8.moments import fp8_moments  # noqa: F401
 
 
 def _is_pending_grad_amax(variable):

@@ -443,6 +443,15 @@ class QualityTest(parameterized.TestCase):
         for policy in quality.RECIPES.values():  # every policy name parses
             keras.dtype_policies.get(policy)
 
+    def test_fp8_moments_flag(self):
+        self.assertFalse(quality.parse_args(["--dry-run"]).fp8_moments)
+        self.assertTrue(quality.parse_args(["--dry-run", "--fp8-moments"]).fp8_moments)
+        with_moments = dict(_run_result(2.02), fp8_moments=True)
+        rows = _rows(quality.table({"bf16": _run_result(2.0), "delayed": with_moments}), quality.HEADER)
+        self.assertIn("| `p` + FP8 moments | 2.0200 |", rows[1])
+        self.assertIn("| +1.00% |", rows[1])
+        self.assertNotIn("FP8 moments", rows[0])
+
     def test_data_is_fixed_and_split(self):
         text, source = quality.corpus_bytes("docs")
         self.assertGreater(len(text), 10**6)
