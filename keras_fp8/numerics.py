@@ -652,7 +652,7 @@ def dequantize_second_moment(q, scales):
     # The barrier: a compiler may fold float32 -> float16 -> float32 (where
     # the quantization and this widening meet in one compiled function) into
     # nothing; the stored value is the float16 one.
-    t, n = _moment_blocks(ops.cast(backends.keep_rounding(q), "float32"))
+    t, n = _moment_blocks(widen(q))
     r = ops.multiply(t, ops.expand_dims(scales, -1))
     return _from_moment_blocks(ops.multiply(r, r), n, q.shape)
 

@@ -435,11 +435,19 @@ class FP8StateMixin:
                 runs_in=_plain_result_dtype(dtype, self.compute_dtype),
             )
             return None
-        configs = self.__dict__.setdefault("_fp8_backend_configs", {})
-        config = configs.get((recipe, limit))
-        if config is None:
-            config = configs[(recipe, limit)] = backends.linear_config(recipe, limit)
-        return config
+        # The last call's (recipe, limit, config): compared by identity and
+        # equality only, which torch.compile traces without a graph break
+        # (a dict keyed by the recipe, or `__dict__.setdefault`, is not).
+        cached = self._fp8_backend_config
+        if cached is None or cached[0] is not recipe or cached[1] != limit:
+            cached = (recipe, limit, backends.linear_config(recipe, limit))
+            # Into the instance dict: Keras's attribute tracking is not needed.
+            self.__dict__["_fp8_backend_config"] = cached
+        return cached[2]
+
+    # Set by `_fp8_call_config` on the instance: the last call's
+    # (recipe, min_gemm_size, backend config).
+    _fp8_backend_config = None
 
     def quantize(self, mode=None, type_check=True, config=None):
         """Keras's quantization does not apply to FP8 layers: a ValueError

@@ -487,7 +487,7 @@ class FoldKernelTest(parameterized.TestCase):
     def test_kernel_equals_reference(self, fp8_dtype, algo, update_scale, H):
         import numpy as np
 
-        from tests.torch_ops.test_reference import random_fold_case
+        from tests.reference.test_torch_reference import random_fold_case
 
         rng = np.random.default_rng(H)
         for case in range(25):
