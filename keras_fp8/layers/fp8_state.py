@@ -149,6 +149,13 @@ class FP8StateMixin:
     def _init_fp8(self, recipe, min_gemm_size):
         self.recipe = recipes.get(recipe) if recipe is not None else None
         self.min_gemm_size = recipes.check_min_gemm_size(min_gemm_size)
+        # `[(M, K, N)]` of the last call, for `fp8_execution`. A list set
+        # here, in the instance dict (Keras's attribute tracking costs host
+        # time), and written in place by calls: under torch.compile a write
+        # into the layer's `__dict__` would make dynamo break the graph at
+        # the next layer's `Layer.__call__` (it reads a mappingproxy, the
+        # call signature's parameters, after a dict changed).
+        self.__dict__["_last_gemm"] = [None]
 
     def _build_time_recipe(self):
         if self.recipe is not None:
@@ -239,9 +246,7 @@ class FP8StateMixin:
         matmul, or `M*N*K` below `min_gemm_size` (the layer's, its policy's,
         else the backend's default for where `inputs` lives)."""
         dims = self._gemm_dims(tuple(inputs.shape))
-        # The last call's GEMM, for `fp8_execution` (keras_fp8.summary); into
-        # the instance dict: Keras's attribute tracking costs host time per call.
-        self.__dict__["_last_gemm_dims"] = dims
+        self._last_gemm[0] = dims  # for `fp8_execution` (keras_fp8.summary)
         size = recipes.gemm_size(dims)
         if size is None:  # the output spec is the same either way
             return False
@@ -273,7 +278,7 @@ class FP8StateMixin:
             backend's default for where the kernel lives; None before
             `build`).
         """
-        dims = getattr(self, "_last_gemm_dims", None)
+        dims = self._last_gemm[0]
         limit = self._min_gemm_size()
         if limit is None and self.built:
             limit = backends.get().default_min_gemm_size(compat.raw_value(self._kernel))

@@ -97,4 +97,5 @@ def to_plain(layer):
     for name in ("recipe", "min_gemm_size", "_plan"):
         if name in vars(layer):
             delattr(layer, name)
+    layer.__dict__.pop("_last_gemm", None)  # set outside Keras's tracking
     object.__setattr__(layer, "__class__", PLAIN_CLASS[type(layer)])
