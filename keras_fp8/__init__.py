@@ -67,6 +67,7 @@ from keras_fp8 import autocast as _autocast_module  # noqa: E402
 from keras_fp8 import backends as _backends
 from keras_fp8 import callbacks
 from keras_fp8 import compat as _compat
+from keras_fp8 import compilation as _compilation
 from keras_fp8 import layers
 from keras_fp8 import monitor
 from keras_fp8 import numerics
@@ -75,6 +76,7 @@ from keras_fp8 import policy as _policy_module
 from keras_fp8 import policy_layers as _policy_layers
 from keras_fp8 import recipes
 from keras_fp8.autocast import autocast
+from keras_fp8.compilation import compile_blocks
 from keras_fp8.backends import xla_flags as _xla_flags
 from keras_fp8.convert import convert
 from keras_fp8.convert import unconvert
@@ -96,6 +98,7 @@ _autocast_module.register()
 optimizers.register()
 _policy_layers.register()
 _backends.preload()
+_compilation.register()
 
 __all__ = [
     "BlockScaling",
@@ -107,6 +110,7 @@ __all__ = [
     "POLICY_NAMES",
     "autocast",
     "callbacks",
+    "compile_blocks",
     "convert",
     "layers",
     "monitor",

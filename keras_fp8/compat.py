@@ -1,7 +1,9 @@
 """Every place keras-fp8 touches Keras's internals, each with the reason.
 
-Keras's public API has no hook for six things keras-fp8 needs, so this
-module patches them (at `import keras_fp8`, idempotently), and it holds every
+Keras's public API has no hook for the ten things below that keras-fp8
+needs, so this module patches them (at `import keras_fp8`, idempotently; 7 to
+10 on the torch backend only, and each is harmless to code that keeps to
+Keras's public API), and it holds every
 private Keras name the package uses, so that a Keras upgrade is checked here
 and nowhere else. Written for the Keras versions in `TESTED_KERAS`; another
 version gets a one-time warning naming what to check.
@@ -52,6 +54,43 @@ The patches:
    `.weights.h5` files could not move between them. `saving_lib` sees
    `naming` through a view that names `FP8Dense` as `Dense` and
    `FP8EinsumDense` as `EinsumDense`.
+
+Compiled training on torch (`jit_compile=True`, `keras_fp8.compile_blocks`):
+
+7. `Layer._open_name_scope`: a built layer opens no name scope while
+   torch.compile traces it. The scope only names the variables a layer
+   creates (a built layer creates none), but tracing it makes dynamo guard
+   every layer on its `_parent_path`, which holds the name of the block the
+   layer sits in: each transformer block of a model then compiles anew (and
+   dynamo stops compiling at its recompile limit, 8 by default).
+8. The torch backend's `_can_use_flash_attention`: it builds a
+   `torch.backends.cuda.SDPAParams`, a C++ object dynamo cannot trace (a
+   graph break in every attention layer). While compiling, it answers False
+   for a call that did not ask for flash attention explicitly: Keras then
+   calls `scaled_dot_product_attention` without restricting its kernels, and
+   torch picks the flash kernel itself where it applies.
+9. The torch backend's `sparse_categorical_crossentropy` (every policy,
+   eager or compiled): for logits of rank 3 or more with the classes last,
+   Keras moves the class axis to position 1 for `cross_entropy`, whose
+   log-softmax then runs over a strided axis of a permuted tensor (a slow
+   "spatial" kernel, on a GPU a large share of a language model's step);
+   the same loss on the logits flattened to `(rows, classes)` is the
+   row-wise kernel, with the same values and gradients.
+10. The torch trainer's compiled train function. Keras compiles a function
+   that calls `train_step`, whose `loss.backward()` dynamo cannot trace: a
+   graph break inside an inlined call, after which dynamo traces the
+   function again, then `train_step` as a frame of its own, twice (once to
+   find the break, once to compile up to it). Compiling `train_step` itself
+   saves one of those three traces of the model's forward pass. Before each
+   step every gradient is set to None, and before the first one the
+   optimizer's weight-decay cache is filled: Keras's step calls
+   `zero_grad()` inside the compiled function, where dynamo guards on
+   whether each gradient is None (None at the first step, a tensor at the
+   next: the whole step compiled twice), and the optimizer fills its cache
+   of which variables take weight decay in its first `apply`, on which
+   dynamo guards too (its part of the step compiled twice). The step
+   computes the same: the gradients are cleared before the backward pass
+   either way, and the cache holds what the first step would put there.
 """
 
 import contextlib
@@ -64,6 +103,7 @@ import keras
 from keras.src.backend.common import global_state as _global_state
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.variables import AutocastScope as _AutocastScope
+from keras.src.layers.layer import Layer as _KerasLayer
 from keras.src.distribution import distribution_lib as _distribution_lib
 from keras.src.dtype_policies import dtype_policy as _dtype_policy_module
 from keras.src.saving import saving_lib as _saving_lib
@@ -226,6 +266,134 @@ def name_in_weight_files_as(aliases):
     """Patch 6: in weight files, an object of a class named `k` (a key of
     `aliases`) is addressed as one of class `aliases[k]` would be."""
     _saving_lib.naming = _CheckpointNaming(aliases)
+
+
+# --------------------------------------------------------------------------- patches: torch.compile
+_keras_open_name_scope = _KerasLayer._open_name_scope
+
+
+def skip_name_scopes_while(is_tracing):
+    """Patch 7: `Layer._open_name_scope()` of a built layer returns a scope
+    that does nothing while `is_tracing()` is true."""
+
+    def _open_name_scope(self):
+        # Under a keras.distribution the scope also names the layer's output
+        # (its layout is looked up by that path): kept there.
+        if self.built and is_tracing() and _distribution_lib.distribution() is None:
+            return contextlib.nullcontext()
+        return _keras_open_name_scope(self)
+
+    _KerasLayer._open_name_scope = _open_name_scope
+
+
+def torch_flash_attention_check_while(is_tracing):
+    """Patch 8: the torch backend's `_can_use_flash_attention(...,
+    raise_error=False)` answers False while `is_tracing()` is true."""
+    from keras.src.backend.torch import nn as torch_nn
+
+    keras_check = _keras_torch_function(torch_nn, "_can_use_flash_attention")
+
+    @functools.wraps(keras_check)
+    def _can_use_flash_attention(query, key, value, mask=None, is_causal=False, raise_error=False):
+        if not raise_error and is_tracing():
+            return False
+        return keras_check(query, key, value, mask, is_causal, raise_error)
+
+    _can_use_flash_attention._keras_original = keras_check
+    torch_nn._can_use_flash_attention = _can_use_flash_attention
+
+
+def torch_crossentropy_on_rows():
+    """Patch 9: the torch backend's `sparse_categorical_crossentropy` on
+    logits of rank 3 or more, classes last, runs Keras's own function on the
+    `(rows, classes)` view of the logits and reshapes the loss back."""
+    from keras.src.backend.torch import nn as torch_nn
+
+    keras_loss = _keras_torch_function(torch_nn, "sparse_categorical_crossentropy")
+
+    @functools.wraps(keras_loss)
+    def sparse_categorical_crossentropy(target, output, from_logits=False, axis=-1):
+        target = torch_nn.convert_to_tensor(target)
+        output = torch_nn.convert_to_tensor(output)
+        rows = _crossentropy_rows(target, output, axis)
+        if rows is None:
+            return keras_loss(target, output, from_logits=from_logits, axis=axis)
+        target_rows, output_rows, loss_shape = rows
+        loss = keras_loss(target_rows, output_rows, from_logits=from_logits, axis=-1)
+        return loss.reshape(loss_shape)
+
+    sparse_categorical_crossentropy._keras_original = keras_loss
+    torch_nn.sparse_categorical_crossentropy = sparse_categorical_crossentropy
+
+
+def _keras_torch_function(module, name):
+    """`module.name` as Keras defines it (unwrapping an earlier patch)."""
+    function = getattr(module, name)
+    return getattr(function, "_keras_original", function)
+
+
+def _crossentropy_rows(target, output, axis):
+    """`(target rows, logits rows, loss shape)` for a sparse cross-entropy
+    that can run on rows, else None (Keras's function then runs as it is,
+    with its own errors for shapes that do not match)."""
+    rank = len(output.shape)
+    if rank < 3 or axis not in (-1, rank - 1):
+        return None
+    classes = output.shape[-1]
+    loss_shape = tuple(output.shape[:-1])
+    target_shape = tuple(target.shape)
+    if target_shape == loss_shape + (1,):
+        target_shape = loss_shape
+    if target_shape != loss_shape or classes == 0:
+        return None
+    return target.reshape(-1), output.reshape(-1, classes), loss_shape
+
+
+def torch_compiled_train_step():
+    """Patch 10: the torch trainer's compiled `train_function(data)` runs
+    `torch.compile(type(model).train_step)(model, data[0])`, after setting
+    every gradient of the model to None (and, before the first step, filling
+    the optimizer's weight-decay cache)."""
+    import torch
+    from keras.src.backend.torch import trainer as torch_trainer
+
+    trainer_class = torch_trainer.TorchTrainer
+    keras_make = getattr(trainer_class.make_train_function, "_keras_original",
+                         trainer_class.make_train_function)
+
+    @functools.wraps(keras_make)
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        keras_make(self, force=force)  # its checks, and `jit_compile` settled
+        if not self.jit_compile:
+            return self.train_function
+        compiled_step = torch.compile(type(self).train_step)
+        first = [True]
+
+        def train_function(data):
+            if first[0]:
+                _fill_weight_decay_cache(self.optimizer, self.trainable_variables)
+                first[0] = False
+            self.zero_grad(set_to_none=True)
+            return compiled_step(self, data[0])
+
+        self.train_function = train_function
+        return train_function
+
+    make_train_function._keras_original = keras_make
+    trainer_class.make_train_function = make_train_function
+
+
+def _fill_weight_decay_cache(optimizer, variables):
+    """Asks `optimizer` (and the one it wraps, for a loss-scale optimizer)
+    whether each variable takes weight decay: Keras's optimizers cache the
+    answers (`_use_weight_decay`)."""
+    while optimizer is not None:
+        if getattr(optimizer, "weight_decay", None) is not None and hasattr(optimizer, "_use_weight_decay"):
+            for variable in variables:
+                optimizer._use_weight_decay(variable)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
 # --------------------------------------------------------------------------- private names, wrapped

@@ -1,5 +1,7 @@
-"""Looking at a model's FP8 layers: `fp8_layers`, `excluded_layers`, `summary`."""
+"""Looking at a model's FP8 layers: `fp8_layers`, `excluded_layers`,
+`summary`, `float32_matmul_layers`."""
 
+import keras
 from keras import ops
 
 from keras_fp8 import compat
@@ -77,11 +79,15 @@ def summary(model, print_fn=None):
     compute dtype (below `min_gemm_size`, or FP8 off under the layer's
     policy), the `min_gemm_size` in force, and its current scales. Then the
     `Dense`/`EinsumDense` layers that an FP8 policy's `exclude` pattern kept
-    plain, each with the pattern (`excluded_layers`).
+    plain, each with the pattern (`excluded_layers`). Then, on torch, a note
+    naming the layers that multiply in float32 without tensor cores
+    (`float32_matmul_layers`), unless the user lowered torch's float32
+    matmul precision (TF32).
 
     Args:
         model: A Keras model or layer.
-        print_fn: Called with the table (a string); `print` by default.
+        print_fn: Called with the table (a string), then with the note if
+            any; `print` by default.
 
     Example:
 
@@ -114,3 +120,59 @@ def summary(model, print_fn=None):
             f"  {name}  (exclude={pattern!r})" for name, (_, pattern) in zip(names, excluded)
         )
     (print_fn or print)(text)
+    note = _float32_matmul_note(model)
+    if note:
+        (print_fn or print)(note)
+
+
+# Layers whose call is a matmul of their input and a weight (ReversibleEmbedding:
+# its `reverse=True` call, the output projection of language models).
+_MATMUL_LAYERS = tuple(
+    cls for cls in (keras.layers.Dense, keras.layers.EinsumDense, getattr(keras.layers, "ReversibleEmbedding", None))
+    if cls is not None
+)
+
+
+def float32_matmul_layers(model):
+    """The layers of `model` that multiply in float32 while others compute in
+    16 bits (under a mixed or FP8 policy): `Dense`, `EinsumDense` and
+    `ReversibleEmbedding` layers whose compute dtype (or a
+    `ReversibleEmbedding`'s `reverse_dtype`) is float32.
+
+    Args:
+        model: A Keras model or layer.
+
+    Returns:
+        The layers, in Keras's layer order; empty where no layer of `model`
+        computes in 16 bits.
+    """
+    layers = compat.sublayers(model)
+    if not any(layer.compute_dtype in ("bfloat16", "float16") for layer in layers):
+        return []
+    return [
+        layer for layer in layers
+        if isinstance(layer, _MATMUL_LAYERS)
+        and "float32" in (layer.compute_dtype, getattr(layer, "reverse_dtype", None))
+    ]
+
+
+def _float32_matmul_note(model):
+    """What `summary` says about `float32_matmul_layers`, where the backend
+    runs them without tensor cores (torch, unless the user lowered its
+    float32 matmul precision), else None."""
+    if keras.backend.backend() != "torch":
+        return None
+    from keras_fp8.backends import torch_step
+
+    if torch_step.float32_matmuls_use_tensor_cores():
+        return None
+    layers = float32_matmul_layers(model)
+    if not layers:
+        return None
+    names = ", ".join(f"'{name}'" for name in layer_names(layers))
+    return (
+        f"Note: {len(layers)} layer(s) of {model.name!r} multiply in float32 outside the 16-bit policy: {names}. "
+        "torch runs float32 matmuls without tensor cores unless asked (its float32 matmul precision is "
+        "'highest'): on a GPU each takes several times as long as in bfloat16. "
+        "`torch.set_float32_matmul_precision('high')` runs them in TF32, or give the layers a 16-bit dtype."
+    )

@@ -192,6 +192,16 @@ class FP8StateMixin:
     def _init_fp8(self, recipe, min_gemm_size):
         self.recipe = recipes.get(recipe) if recipe is not None else None
         self.min_gemm_size = recipes.check_min_gemm_size(min_gemm_size)
+        # `[(M, K, N)]` of the last call, for `fp8_execution`. A list set
+        # here, in the instance dict (Keras's attribute tracking costs host
+        # time), and written in place by calls: under torch.compile a write
+        # into the layer's `__dict__` would make dynamo break the graph at
+        # the next layer's `Layer.__call__` (it reads a mappingproxy, the
+        # call signature's parameters, after a dict changed).
+        self.__dict__["_last_gemm"] = [None]
+        # The last FP8 call's (recipe, min_gemm_size, backend config), written
+        # in place for the same reason.
+        self.__dict__["_fp8_backend_config"] = [None]
         self._check_not_quantized(self.dtype_policy)
 
     def _check_not_quantized(self, policy):
@@ -327,7 +337,7 @@ class FP8StateMixin:
             backend's default for where the kernel lives; None before
             `build`).
         """
-        dims = getattr(self, "_last_gemm_dims", None)
+        dims = self._last_gemm[0]
         limit = self._min_gemm_size()
         if limit is None and self.built:
             limit = self._resolved_min_gemm_size(compat.raw_value(self._kernel))
@@ -410,9 +420,7 @@ class FP8StateMixin:
         if recipe is None:
             return None
         dims = self._gemm_dims(tuple(inputs.shape))
-        # The last call's GEMM, for `fp8_execution` (keras_fp8.summary); into
-        # the instance dict: Keras's attribute tracking costs host time per call.
-        self.__dict__["_last_gemm_dims"] = dims
+        self._last_gemm[0] = dims  # for `fp8_execution` (keras_fp8.summary)
         size = recipes.gemm_size(dims)
         limit = None  # a call of unknown size takes the FP8 path (the same output spec)
         if size is not None:
@@ -438,16 +446,11 @@ class FP8StateMixin:
         # The last call's (recipe, limit, config): compared by identity and
         # equality only, which torch.compile traces without a graph break
         # (a dict keyed by the recipe, or `__dict__.setdefault`, is not).
-        cached = self._fp8_backend_config
+        cached = self._fp8_backend_config[0]
         if cached is None or cached[0] is not recipe or cached[1] != limit:
             cached = (recipe, limit, backends.linear_config(recipe, limit))
-            # Into the instance dict: Keras's attribute tracking is not needed.
-            self.__dict__["_fp8_backend_config"] = cached
+            self._fp8_backend_config[0] = cached
         return cached[2]
-
-    # Set by `_fp8_call_config` on the instance: the last call's
-    # (recipe, min_gemm_size, backend config).
-    _fp8_backend_config = None
 
     def quantize(self, mode=None, type_check=True, config=None):
         """Keras's quantization does not apply to FP8 layers: a ValueError
