@@ -341,8 +341,9 @@ enum class GemmStatus {
   kNoKernel,       // no cuBLASLt FP8 kernel for this combination on this GPU: nothing launched
 };
 
-// Plan cache key: plain integers (no iostreams in this library: an
-// ostringstream here crashed inside libstdc++ on the H200 image).
+// Plan cache key: plain integers. No iostreams in this library: a key built
+// with std::ostringstream depends on the libstdc++ the host process loaded,
+// which need not be the one the extension was built against.
 using Key = std::array<int64_t, 12>;
 struct KeyHash {
   size_t operator()(const Key& k) const {

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 
 # Below this M*N*K the compiled path runs the GEMMs in the compute dtype:
-# quantizing and launching cost more than FP8 saves at such sizes. Measured
-# with benchmarks/linear.py on an H200 (docs/benchmarks.md).
+# quantizing and launching cost more than FP8 saves at such sizes
+# (benchmarks/linear.py's small shapes; docs/benchmarks.md).
 DEFAULT_MIN_GEMM_SIZE = 8192 * 2048 * 2048
 
 
