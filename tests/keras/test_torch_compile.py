@@ -7,6 +7,7 @@
 | the same with `torch.compile`'s default backend (inductor) | every FP8 state update made as eagerly (same history entries), scales and weights close (inductor fuses the ops around the FP8 layers, which may round an activation differently) |
 | the same Llama, `model.compile(jit_compile=True)` (aot_eager; the heavy test, run once) | bit-identical to eager; the one graph break is Keras's `loss.backward()`; no recompilation in the 2nd epoch |
 | blocks of a custom model, found and compiled | one compilation for all blocks; the layers in them traced without graph breaks |
+| `FP8Monitor` with a probe on a model with compiled blocks | the same measurements as eagerly (the probe runs the blocks uncompiled) |
 | `compile_blocks` on bad input, on JAX | clear errors naming the argument |
 | `keras.ops.dot_product_attention` compiled (`fullgraph=True`) | no graph break (the flash-attention check) |
 | `keras_fp8.summary` of a model with float32 matmuls under a 16-bit policy | a note naming them, unless TF32 is on |
@@ -211,6 +212,29 @@ def test_compile_blocks_finds_repeated_blocks_and_compiles_once():
     for a, b in zip(fp8_layers(reference), fp8_layers(model)):
         for va, vb in zip(a.fp8_state_variables, b.fp8_state_variables):
             np.testing.assert_array_equal(vb.numpy(), va.numpy())
+
+
+def test_monitor_probe_on_compiled_blocks():
+    # The monitor's probe runs in a Keras stateless scope: the blocks run
+    # uncompiled there, and it measures what it measures eagerly.
+    keras.mixed_precision.set_global_policy("fp8_hybrid")
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(32, 6, 16)).astype("float32"), rng.integers(0, 4, 32)
+
+    def measured(compiled):
+        model = _block_model()
+        if compiled:
+            _fresh_dynamo()
+            keras_fp8.compile_blocks(model, backend="aot_eager")
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=(x[:8], y[:8]))
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+        return monitor.latest
+
+    eager, compiled = measured(False), measured(True)
+    assert sorted(compiled) == sorted(eager) and any("/grad/" in key for key in eager)
+    for key in eager:
+        np.testing.assert_array_equal(np.asarray(compiled[key]), np.asarray(eager[key]), err_msg=key)
 
 
 def test_compile_blocks_takes_a_class_or_layers():
