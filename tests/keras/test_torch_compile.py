@@ -78,6 +78,10 @@ def _assert_same_training(eager, compiled, exact=True):
     if eager.dtype_policy.name.startswith("fp8"):
         assert len(layers) == 7 * eager.backbone.num_layers
     for a, b in layers:
+        # What the last call ran (the smaller last batch: plain ints, also
+        # where it was compiled for dynamic shapes).
+        assert b.fp8_execution() == a.fp8_execution()
+        assert all(type(d) is int for d in b.fp8_execution()[1])
         for va, vb in zip(a.fp8_state_variables, b.fp8_state_variables):
             want, got = va.numpy(), vb.numpy()
             if exact:
