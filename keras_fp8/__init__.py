@@ -76,8 +76,8 @@ from keras_fp8 import policy as _policy_module
 from keras_fp8 import policy_layers as _policy_layers
 from keras_fp8 import recipes
 from keras_fp8.autocast import autocast
-from keras_fp8.compilation import compile_blocks
 from keras_fp8.backends import xla_flags as _xla_flags
+from keras_fp8.compilation import compile_blocks
 from keras_fp8.convert import convert
 from keras_fp8.convert import unconvert
 from keras_fp8.inspection import summary

@@ -103,9 +103,9 @@ import keras
 from keras.src.backend.common import global_state as _global_state
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.variables import AutocastScope as _AutocastScope
-from keras.src.layers.layer import Layer as _KerasLayer
 from keras.src.distribution import distribution_lib as _distribution_lib
 from keras.src.dtype_policies import dtype_policy as _dtype_policy_module
+from keras.src.layers.layer import Layer as _KerasLayer
 from keras.src.saving import saving_lib as _saving_lib
 from keras.src.trainers import trainer as _trainer_module
 from keras.src.utils import naming as _naming
@@ -352,8 +352,8 @@ def _crossentropy_rows(target, output, axis):
 def torch_compiled_train_step():
     """Patch 10: the torch trainer's compiled `train_function(data)` runs
     `torch.compile(type(model).train_step)(model, data[0])`, after setting
-    every gradient of the model to None (and, before the first step, filling
-    the optimizer's weight-decay cache)."""
+    the gradient of every tensor that takes one to None (and, before the
+    first step, filling the optimizer's weight-decay cache)."""
     import torch
     from keras.src.backend.torch import trainer as torch_trainer
 
@@ -369,13 +369,18 @@ def torch_compiled_train_step():
         if not self.jit_compile:
             return self.train_function
         compiled_step = torch.compile(type(self).train_step)
-        first = [True]
+        # The tensors that take gradients, listed at the first step (a
+        # variable added later is still cleared by Keras's own `zero_grad`,
+        # at the cost of a recompilation).
+        trained = None
 
         def train_function(data):
-            if first[0]:
+            nonlocal trained
+            if trained is None:
                 _fill_weight_decay_cache(self.optimizer, self.trainable_variables)
-                first[0] = False
-            self.zero_grad(set_to_none=True)
+                trained = [p for p in self.parameters() if p.requires_grad]
+            for tensor in trained:
+                tensor.grad = None
             return compiled_step(self, data[0])
 
         self.train_function = train_function

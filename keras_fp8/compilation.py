@@ -18,8 +18,8 @@ from keras_fp8 import compat
 
 def repeated_blocks(model):
     """The repeated blocks of `model`: the layers whose class has at least
-    two instances in `model`, each holding layers of its own, outermost
-    first met (a block inside another such block is left to the outer one).
+    two instances in `model`, each holding layers of its own (a block inside
+    another such block is left to the outer one; models are never blocks).
 
     Args:
         model: A Keras model or layer.
@@ -50,7 +50,7 @@ def compile_blocks(model, blocks=None, **options):
     compilation: the first block's first training call compiles (once per
     `training` value, and once more where input shapes change, e.g. a
     smaller last batch), every later call and block reuses it. FP8 layers
-    inside compute and update their FP8 state exactly as eagerly.
+    inside run the same FP8 ops on the same state variables as eagerly.
 
     Use it instead of `model.compile(jit_compile=True)` (not with it): that
     compiles the whole step, at a compile time that grows with the number of

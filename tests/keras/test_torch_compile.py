@@ -7,7 +7,8 @@
 | the same with `torch.compile`'s default backend (inductor) | every FP8 state update made as eagerly (same history entries), scales and weights close (inductor fuses the ops around the FP8 layers, which may round an activation differently) |
 | the same Llama, `model.compile(jit_compile=True)` (aot_eager; the heavy test, run once) | bit-identical to eager; the one graph break is Keras's `loss.backward()`; no recompilation in the 2nd epoch |
 | blocks of a custom model, found and compiled | one compilation for all blocks; the layers in them traced without graph breaks |
-| `compile_blocks` on bad input, on JAX | clear errors naming the argument |
+| `FP8Monitor` with a probe on a model with compiled blocks | the same measurements as eagerly (the probe runs the blocks uncompiled) |
+| `compile_blocks` on bad input, on JAX | clear errors naming the argument (JAX: use `jit_compile`) |
 | `keras.ops.dot_product_attention` compiled (`fullgraph=True`) | no graph break (the flash-attention check) |
 | `keras_fp8.summary` of a model with float32 matmuls under a 16-bit policy | a note naming them, unless TF32 is on |
 """
@@ -22,10 +23,9 @@ import keras_fp8
 from keras_fp8.inspection import fp8_layers
 from tests.support.composite_layers import Block
 
-pytestmark = [
-    pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch.compile: the torch backend's compiled step"),
-    pytest.mark.usefixtures("fp8_at_every_size"),
-]
+pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
+torch_only = pytest.mark.skipif(keras.backend.backend() != "torch",
+                                reason="torch.compile: the torch backend's compiled step")
 
 VOCAB, SEQ, BATCH = 96, 6, 8
 # 2 full batches and a smaller last one: the first epoch compiles for both
@@ -78,6 +78,10 @@ def _assert_same_training(eager, compiled, exact=True):
     if eager.dtype_policy.name.startswith("fp8"):
         assert len(layers) == 7 * eager.backbone.num_layers
     for a, b in layers:
+        # What the last call ran (the smaller last batch: plain ints, also
+        # where it was compiled for dynamic shapes).
+        assert b.fp8_execution() == a.fp8_execution()
+        assert all(type(d) is int for d in b.fp8_execution()[1])
         for va, vb in zip(a.fp8_state_variables, b.fp8_state_variables):
             want, got = va.numpy(), vb.numpy()
             if exact:
@@ -119,6 +123,7 @@ def eager_models():
     keras.mixed_precision.set_global_policy("float32")
 
 
+@torch_only
 @pytest.mark.parametrize("policy", ["fp8_hybrid", "mixed_bfloat16"])
 def test_compiled_blocks_train_as_eager(eager_models, policy):
     eager = eager_models(policy)
@@ -134,6 +139,7 @@ def test_compiled_blocks_train_as_eager(eager_models, policy):
     _assert_same_training(eager, model)
 
 
+@torch_only
 def test_compiled_blocks_with_inductor(eager_models):
     # SGD: Adam's first steps move every weight by about the learning rate
     # whatever the size of its gradient, so a gradient near zero rounded
@@ -148,6 +154,7 @@ def test_compiled_blocks_with_inductor(eager_models):
     _assert_same_training(eager, model, exact=False)
 
 
+@torch_only
 def test_jit_compile_trains_as_eager(eager_models, monkeypatch):
     # The heavy test (dynamo traces the whole model's step, twice: once to
     # find `loss.backward()`, once up to it): one block, no smaller last
@@ -186,6 +193,7 @@ def _block_model(blocks=3):
     return keras.Sequential(layers, name="blocks")
 
 
+@torch_only
 def test_compile_blocks_finds_repeated_blocks_and_compiles_once():
     import torch
     from torch._dynamo.utils import counters
@@ -213,6 +221,31 @@ def test_compile_blocks_finds_repeated_blocks_and_compiles_once():
             np.testing.assert_array_equal(vb.numpy(), va.numpy())
 
 
+@torch_only
+def test_monitor_probe_on_compiled_blocks():
+    # The monitor's probe runs in a Keras stateless scope: the blocks run
+    # uncompiled there, and it measures what it measures eagerly.
+    keras.mixed_precision.set_global_policy("fp8_hybrid")
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(32, 6, 16)).astype("float32"), rng.integers(0, 4, 32)
+
+    def measured(compiled):
+        model = _block_model()
+        if compiled:
+            _fresh_dynamo()
+            keras_fp8.compile_blocks(model, backend="aot_eager")
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        monitor = keras_fp8.callbacks.FP8Monitor(every_n_steps=2, probe=(x[:8], y[:8]))
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+        return monitor.latest
+
+    eager, compiled = measured(False), measured(True)
+    assert sorted(compiled) == sorted(eager) and any("/grad/" in key for key in eager)
+    for key in eager:
+        np.testing.assert_array_equal(np.asarray(compiled[key]), np.asarray(eager[key]), err_msg=key)
+
+
+@torch_only
 def test_compile_blocks_takes_a_class_or_layers():
     model = _block_model(blocks=1)
     assert keras_fp8.compile_blocks(model, blocks=Block, backend="eager") == [model.layers[1]]
@@ -223,6 +256,7 @@ def test_compile_blocks_takes_a_class_or_layers():
     assert list(inspect.signature(model.layers[1].call).parameters) == ["x", "training"]
 
 
+@torch_only
 def test_compile_blocks_bad_input():
     model = _block_model(blocks=1)
     with pytest.raises(ValueError, match=r"found no repeated blocks in 'blocks'.*Pass `blocks=`"):
@@ -239,6 +273,7 @@ def test_compile_blocks_bad_input():
         keras_fp8.compile_blocks("model")
 
 
+@torch_only
 def test_dot_product_attention_compiles_without_graph_break():
     import torch
 
@@ -254,6 +289,7 @@ def test_dot_product_attention_compiles_without_graph_break():
 
 
 # ---------------------------------------------------------------- float32 matmuls
+@torch_only
 def test_summary_names_float32_matmuls(monkeypatch):
     import torch
 
@@ -279,3 +315,10 @@ def test_summary_names_float32_matmuls(monkeypatch):
     keras.mixed_precision.set_global_policy("float32")
     plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
     assert keras_fp8.inspection.float32_matmul_layers(plain) == []
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the error on a backend other than torch")
+def test_compile_blocks_on_jax_raises():
+    model = _block_model()
+    with pytest.raises(NotImplementedError, match=r"torch.compile \(the torch backend\); the Keras backend is 'jax'"):
+        keras_fp8.compile_blocks(model)
