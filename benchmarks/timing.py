@@ -328,7 +328,7 @@ def worker_argv(argv):
     return out
 
 
-def run_processes(script, argv, n, timeout=900.0, envs=(None,), budget=None, echo=True):
+def run_processes(script, argv, n, timeout=900.0, envs=(None,), budget=None, echo=True, extra_argvs=None):
     """Runs `script` with `argv` in `n` fresh Python processes per
     environment in `envs` (each with `--worker i`), one after the other and
     interleaved across environments (process 0 of each, then 1, ...),
@@ -342,6 +342,8 @@ def run_processes(script, argv, n, timeout=900.0, envs=(None,), budget=None, ech
         budget: Seconds for all of them: a process is not started where
             less is left than the previous process of its environment took
             (the table is then made from the processes that ran).
+        extra_argvs: Arguments appended per environment (a list as long as
+            `envs`), e.g. one variant per process.
 
     Returns:
         One list per environment of each process's records.
@@ -356,7 +358,8 @@ def run_processes(script, argv, n, timeout=900.0, envs=(None,), budget=None, ech
                 print(f"[{i}] not started: {left:.0f} s left of the {budget:.0f}-s budget", flush=True)
                 continue
             limit = timeout if left is None else min(timeout, left)
-            cmd = [sys.executable, script, *argv, "--worker", str(i)]
+            extra = [] if extra_argvs is None else list(extra_argvs[j])
+            cmd = [sys.executable, script, *argv, *extra, "--worker", str(i)]
             t0 = time.time()
             lines = []
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -380,7 +383,7 @@ def run_processes(script, argv, n, timeout=900.0, envs=(None,), budget=None, ech
             took = time.time() - t0
             last[j] = took
             records = parse_results("".join(lines))
-            label = "" if env is None else f" ({env.get('KERAS_BACKEND', '')})"
+            label = "" if env is None else f" ({' '.join([env.get('KERAS_BACKEND', ''), *extra]).strip()})"
             print(f"[{i}]{label} exit {proc.returncode} after {took:.1f} s, {len(records)} records", flush=True)
             out[j].append(records)
     return out

@@ -97,7 +97,7 @@ SIZES = {
     "llama": {
         "large": dict(layers=4, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=32000, seq=2048, batch=4),
         "small": dict(layers=4, hidden=1024, ffn=2816, heads=8, kv_heads=4, vocab=8000, seq=512, batch=8),
-        "tiny": dict(layers=1, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256, seq=32, batch=2),
+        "tiny": dict(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256, seq=32, batch=2),
     },
     "gemma": {
         "large": dict(layers=4, hidden=2048, ffn=16384, heads=8, kv_heads=1, head_dim=256, vocab=32000, seq=2048,
@@ -118,11 +118,16 @@ SIZES = {
     },
 }
 MASKED_FRACTION = 0.15  # BERT's masked positions
-COMPILED = "+compiled"
+COMPILED = "+compiled"  # Keras's jit_compile=True step
+BLOCKS = "+blocks"  # keras_fp8.compile_blocks
+MOMENTS = "+moments"  # keras_fp8.optimizers.FP8AdamW
 KERAS_FLOAT8 = "keras_float8"
 PEERS = decoder.PEERS
 PEER_MODELS = ("llama",)  # architectures benchmarks/model.py has in plain PyTorch
 STACKS = decoder.STACKS
+ALL_VARIANTS = ("mixed_bfloat16", "fp8_hybrid", KERAS_FLOAT8, "mixed_bfloat16" + COMPILED, "fp8_hybrid" + COMPILED,
+                "mixed_bfloat16" + BLOCKS, "fp8_hybrid" + BLOCKS, "fp8_hybrid" + MOMENTS,
+                "fp8_hybrid" + BLOCKS + MOMENTS) + tuple(PEERS)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -135,6 +140,12 @@ def parse_args(argv=None):
     for key in FIELDS:
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, default=None,
                        help=f"override every model's {key}")
+    p.add_argument("--variants", default=None,
+                   help="comma list of the variants to run (default: every one the backend has; see the "
+                        "module docstring), e.g. mixed_bfloat16,fp8_hybrid,fp8_hybrid+blocks")
+    p.add_argument("--isolate", action="store_true",
+                   help="one worker process per variant (large models that do not fit together, "
+                        "or compilations that must not share a process); --processes rounds of them")
     p.add_argument("--compiled", choices=["auto", "none"], default="auto",
                    help="auto: the torch workers add the jit_compile=True variants")
     p.add_argument("--compile-budget", type=float, default=120.0,
@@ -166,6 +177,11 @@ def parse_args(argv=None):
         args.warmup, args.rounds, args.steps = 1, 1, 3
     if args.steps < 2:
         p.error("--steps: at least 2 (the first step of each fit is not timed)")
+    if args.variants is not None:
+        args.variant_list = [v for v in args.variants.split(",") if v]
+        timing.check_choices(p, "--variants", args.variant_list, ALL_VARIANTS)
+    else:
+        args.variant_list = None
     if args.compile_budget <= 0:
         p.error(f"--compile-budget: expected a positive number of seconds, got {args.compile_budget}")
     return args
@@ -186,12 +202,36 @@ def config(args, name, size):
 
 
 def keras_variants(args, backend):
+    """The Keras variants this backend runs (`--variants` filters them;
+    the compiled and block-compiled ones are torch's)."""
     out = ["mixed_bfloat16", "fp8_hybrid"]
     if args.keras_float8:
         out.append(KERAS_FLOAT8)
     if backend == "torch" and args.compiled == "auto":
         out += ["mixed_bfloat16" + COMPILED, "fp8_hybrid" + COMPILED]
+    if args.variant_list is not None:
+        extra = [v for v in args.variant_list if v not in out and v not in PEERS
+                 and (backend == "torch" or parse_variant(v)[1] == "eager")]
+        out = [v for v in out if v in args.variant_list] + extra
     return out
+
+
+def peer_variants(args, backend, cfg):
+    """The plain-PyTorch peers this model runs (torch on the architectures
+    model.py has)."""
+    if backend != "torch" or args.peers != "auto" or cfg.name not in PEER_MODELS:
+        return []
+    return [p for p in PEERS if args.variant_list is None or p in args.variant_list]
+
+
+def parse_variant(name):
+    """`(policy, step, moments)` of a Keras variant name: its dtype policy,
+    how the step runs ("eager", "compiled": jit_compile=True, "blocks":
+    keras_fp8.compile_blocks) and whether the optimizer keeps FP8 moments."""
+    parts = name.split("+")
+    policy = "mixed_bfloat16" if parts[0] == KERAS_FLOAT8 else parts[0]
+    step = "compiled" if COMPILED[1:] in parts else "blocks" if BLOCKS[1:] in parts else "eager"
+    return policy, step, MOMENTS[1:] in parts
 
 
 def row_name(cfg, stack):
@@ -228,25 +268,30 @@ def build_task(cfg):
 
 
 def keras_task(cfg, variant):
-    """The variant's task, compiled with AdamW (eager on torch; `+compiled`
-    variants share their policy's task)."""
+    """The variant's task, compiled with AdamW (eager on torch; a
+    `+compiled` variant shares the task of its name without `+compiled`)."""
     import keras
 
-    policy = "mixed_bfloat16" if variant == KERAS_FLOAT8 else variant
+    import keras_fp8
+
+    policy, step, moments = parse_variant(variant)
     keras.mixed_precision.set_global_policy(policy)
     try:
         keras.utils.set_random_seed(0)
         task = build_task(cfg)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    if variant == KERAS_FLOAT8:
+    if variant.startswith(KERAS_FLOAT8):
         with warnings.catch_warnings():
             # One warning per layer Keras's float8 does not quantize (norms,
             # embeddings, ...): it quantizes the Dense/EinsumDense layers.
             warnings.simplefilter("ignore", UserWarning)
             task.quantize("float8")
+    if step == "blocks":
+        keras_fp8.compile_blocks(task)
+    optimizer = keras_fp8.optimizers.FP8AdamW(1e-4) if moments else keras.optimizers.AdamW(1e-4)
     # Keras's own compile: a keras_hub task's adds sampling and metrics.
-    keras.Model.compile(task, optimizer=keras.optimizers.AdamW(1e-4),
+    keras.Model.compile(task, optimizer=optimizer,
                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return task
 
@@ -279,6 +324,7 @@ class ZooVariant(decoder.KerasVariant):
         super().__init__(name, task, None, **kwargs)
         self.train_function = train_function
         self.warmup_s = None
+        self.recompiles = 0
 
     def fit(self, x, y, steps, batch, measure_memory=False):
         if self.train_function is not None:  # torch: the eager or the compiled one
@@ -519,7 +565,6 @@ def build_variants(cfg, names, backend, cuda, args, problems):
     tasks = {}
     x, y = data(cfg, cfg.batch * max(args.warmup, args.steps))
     for name in names:
-        policy, compiled = name.split("+")[0], name.endswith(COMPILED)
         try:
             if name in PEERS:
                 if not cuda:
@@ -529,10 +574,11 @@ def build_variants(cfg, names, backend, cuda, args, problems):
                     import torchao  # noqa: F401
                 variants[name] = decoder.TorchPeerVariant(name, peer_args(cfg), x["token_ids"], y)
                 continue
-            if policy not in tasks:
-                task = keras_task(cfg, policy)
-                tasks[policy] = (task, train_functions(task, backend == "torch" and args.compiled == "auto"))
-            task, fns = tasks[policy]
+            base, compiled = name.removesuffix(COMPILED), name.endswith(COMPILED)
+            if base not in tasks:
+                task = keras_task(cfg, base)
+                tasks[base] = (task, train_functions(task, backend == "torch" and base + COMPILED in names))
+            task, fns = tasks[base]
             variants[name] = ZooVariant(name, task, fns.get(compiled) if backend == "torch" else None,
                                         torch_memory=cuda and args.memory and backend == "torch",
                                         torch_cuda=cuda and backend == "torch")
@@ -543,8 +589,21 @@ def build_variants(cfg, names, backend, cuda, args, problems):
     return variants
 
 
+def is_compiled(name):
+    return name not in PEERS and parse_variant(name)[1] != "eager"
+
+
+def dynamo_graphs():
+    """torch.compile's graph count so far in this process (0 elsewhere)."""
+    if "torch" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def run_fit(variant, x, y, steps, batch, budget, measure_memory=False):
-    limit = budget if variant.name.endswith(COMPILED) else None
+    limit = budget if is_compiled(variant.name) else None
     try:
         with timing.time_limit(limit, f"{variant.name} fit"):
             return variant.fit(x, y, steps, batch, measure_memory)
@@ -589,8 +648,11 @@ def time_phase(cfg, variants, problems, args, backend, x, y, jax_mem):
             if name in problems:
                 continue
             try:
+                graphs = dynamo_graphs()
                 ms, ls = run_fit(variants[name], x, y, args.steps, cfg.batch, args.compile_budget,
                                  measure_memory=(r == 0 and args.memory))
+                if is_compiled(name):  # compilations after the warm-up fit: recompiles
+                    variants[name].recompiles += dynamo_graphs() - graphs
             except Exception as e:  # noqa: BLE001
                 problems[name] = timing.failure(e)
                 _after_failure(backend, name)
@@ -606,7 +668,7 @@ def time_phase(cfg, variants, problems, args, backend, x, y, jax_mem):
 
 
 def _after_failure(backend, name):
-    if backend == "torch" and name.endswith(COMPILED):
+    if backend == "torch" and is_compiled(name):
         import torch
 
         torch._dynamo.reset()  # a compilation cut short leaves nothing half-done behind
@@ -626,7 +688,8 @@ def emit_variant(cfg, name, variant, problems, samples, losses, backend, jax_mem
     timing.emit(timing.variant_record(
         name, med, row=row, tok_per_s=tokens_per_step(cfg) / med * 1e3, steps=len(samples[name]),
         mem_gib=mem, resident_gib=resident, peak_gib=None if mem is None else resident + mem,
-        warmup_s=getattr(variant, "warmup_s", None), loss_first=losses[name][0], loss_last=losses[name][-1]))
+        warmup_s=getattr(variant, "warmup_s", None), loss_first=losses[name][0], loss_last=losses[name][-1],
+        recompiles=variant.recompiles if is_compiled(name) else None))
 
 
 def worker(args):
@@ -656,10 +719,9 @@ def worker(args):
 def run_model(cfg, args, backend, cuda):
     problems, jax_mem = {}, {}
     keras_names = keras_variants(args, backend)
-    peer_names = list(PEERS) if (backend == "torch" and args.peers == "auto" and cfg.name in PEER_MODELS) else []
+    peer_names = peer_variants(args, backend, cfg)
     phases = [keras_names + peer_names] if args.one_phase else [keras_names, peer_names]
     x, y = data(cfg, cfg.batch * max(args.warmup, args.steps))
-    results = {}
     for phase in phases:
         if not phase:
             continue
@@ -667,8 +729,6 @@ def run_model(cfg, args, backend, cuda):
         samples, losses = time_phase(cfg, variants, problems, args, backend, x, y, jax_mem)
         for name in phase:
             emit_variant(cfg, name, variants.get(name), problems, samples, losses, backend, jax_mem)
-            if name in variants and name not in problems and samples.get(name):
-                results[name] = statistics.median(samples[name])
         profiled = backend == "torch" and cuda and (args.profile == "all" or
                                                     (args.profile == "first" and not args.worker))
         if profiled:
@@ -680,14 +740,17 @@ def run_model(cfg, args, backend, cuda):
                     except Exception as e:  # noqa: BLE001
                         print(f"profile of {name} failed: {timing.describe_error(timing.failure(e))}", flush=True)
         if args.roofline and "fp8_hybrid" in variants and "fp8_hybrid" not in problems:
-            roofline(cfg, variants["fp8_hybrid"].model, backend, cuda, results)
+            roofline(cfg, variants["fp8_hybrid"].model, backend, cuda)
         if args.max_batch:
             search_max_batch(cfg, variants, problems, args)
         variants.clear()
         release()
 
 
-def roofline(cfg, task, backend, cuda, results):
+def roofline(cfg, task, backend, cuda):
+    """Times the GEMMs of the FP8 layers of `task` (after its fits) in FP8
+    and as the mixed_bfloat16 model runs them; the table combines them with
+    the step times of the same process (`_roofline_table`)."""
     row = row_name(cfg, f"keras-{backend}")
     shapes = fp8_gemm_shapes(task)
     record = {"roofline": True, "row": row, "shapes": [list(s) for s in shapes]}
@@ -695,15 +758,10 @@ def roofline(cfg, task, backend, cuda, results):
         record["skipped"] = "GPU only"
     elif not shapes:
         record["skipped"] = "no layer ran FP8"
-    elif "mixed_bfloat16" not in results or "fp8_hybrid" not in results:
-        record["skipped"] = "mixed_bfloat16 or fp8_hybrid has no step time"
     else:
         try:
             gemm = measure_gemms(shapes, backend)
-            rest = results["mixed_bfloat16"] - gemm["plain"]
-            record.update(gemm_fp8_ms=gemm["fp8"], gemm_plain_ms=gemm["plain"], rest_ms=rest,
-                          roofline_ms=rest + gemm["fp8"], fp8_ms=results["fp8_hybrid"],
-                          fraction=(rest + gemm["fp8"]) / results["fp8_hybrid"])
+            record.update(gemm_fp8_ms=gemm["fp8"], gemm_plain_ms=gemm["plain"])
         except Exception as e:  # noqa: BLE001
             record["error"] = timing.describe_error(timing.failure(e))
     timing.emit(record)
@@ -741,19 +799,24 @@ def _backend():
 
 # --------------------------------------------------------------------------- tables
 HEADER = ("| model | stack | variant | ms per step | tok/s | speed-up over the stack's mixed_bfloat16 "
-          "| over Keras float8 | step memory, GiB | peak step memory, GiB | warm-up, s |")
+          "| over Keras float8 | step memory, GiB | peak step memory, GiB | warm-up, s | recompiles |")
 PROFILE_HEADER = "| model | stack | category | mixed_bfloat16, ms per step | fp8_hybrid, ms per step |"
 ROOFLINE_HEADER = ("| model | stack | FP8-able GEMMs, bf16 ms | the same in FP8, ms | the rest of the bf16 step, ms "
                    "| FP8 roofline, ms | fp8_hybrid, ms | fraction of the roofline reached |")
 MAX_BATCH_HEADER = "| model | stack | variant | largest batch that trains |"
-LABELS = {
-    "mixed_bfloat16": "mixed_bfloat16",
-    "fp8_hybrid": "fp8_hybrid",
-    KERAS_FLOAT8: "Keras quantize(\"float8\")",
-    "mixed_bfloat16" + COMPILED: "mixed_bfloat16, jit_compile=True",
-    "fp8_hybrid" + COMPILED: "fp8_hybrid, jit_compile=True",
-    **{k: v for k, v in decoder.LABELS.items() if k in PEERS},
-}
+COMPILED_HEADER = ("| model | Keras-torch variant | ms per step | over mixed_bfloat16 with the same step "
+                   "| torchao compiled, ms | torchao time / ours |")
+STEP_LABELS = {"compiled": "jit_compile=True", "blocks": "compile_blocks"}
+
+
+def label(name):
+    if name in PEERS:
+        return decoder.LABELS[name]
+    if name == KERAS_FLOAT8:
+        return 'Keras quantize("float8")'
+    policy, step, moments = parse_variant(name)
+    return ", ".join([policy] + ([STEP_LABELS[step]] if step in STEP_LABELS else [])
+                     + (["FP8 moments"] if moments else []))
 
 
 def _sep(h):
@@ -773,22 +836,49 @@ def tables(per_process, args=None):
         model, stack = _split(row)
         base = "torch-bf16" if stack == "torch" else "mixed_bfloat16"
         for v in decoder._variants_of(res, row):
-            label = LABELS.get(v, v)
             name = STACKS.get(stack, stack)
             if timing.summary(res.values(row, v)) is None:
-                out.append(f"| {model} | {name} | {label} | {res.problem(row, v)} | - | - | - | - | - | - |")
+                out.append(f"| {model} | {name} | {label(v)} | {res.problem(row, v)} | - | - | - | - | - | - | - |")
                 continue
             ratio = "1.00x" if v == base else res.ratio(row, v, base)
             over_float8 = ("-" if stack == "torch" or v in (KERAS_FLOAT8, base)
                            or KERAS_FLOAT8 not in decoder._variants_of(res, row)
                            else res.ratio(row, v, KERAS_FLOAT8))
-            out.append(f"| {model} | {name} | {label} | {res.ms(row, v, fmt='{:.1f}')} "
+            out.append(f"| {model} | {name} | {label(v)} | {res.ms(row, v, fmt='{:.1f}')} "
                        f"| {res.ms(row, v, field='tok_per_s', fmt='{:.0f}')} | {ratio} | {over_float8} "
                        f"| {res.ms(row, v, field='mem_gib', fmt='{:.2f}')} "
                        f"| {res.ms(row, v, field='peak_gib', fmt='{:.2f}')} "
-                       f"| {res.ms(row, v, field='warmup_s', fmt='{:.0f}')} |")
-    out += _profile_table(per_process) + _roofline_table(per_process) + _max_batch_table(res)
+                       f"| {res.ms(row, v, field='warmup_s', fmt='{:.0f}')} "
+                       f"| {res.ms(row, v, field='recompiles', fmt='{:.0f}')} |")
+    out += (_compiled_table(res) + _profile_table(per_process) + _roofline_table(per_process)
+            + _max_batch_table(res))
     return "\n".join(out)
+
+
+def _compiled_table(res):
+    """The compiled Keras-torch FP8 variants against the same step under
+    mixed_bfloat16 and against torchao's compiled float8 peer."""
+    out = []
+    for row in res.rows():
+        model_name, size, stack = row.split("/")[:3]
+        if stack != "keras-torch":
+            continue
+        peer_row = f"{model_name}/{size}/torch"
+        for v in decoder._variants_of(res, row):
+            policy, step, moments = parse_variant(v) if v != KERAS_FLOAT8 else (None, "eager", False)
+            if policy != "fp8_hybrid" or step == "eager" or timing.summary(res.values(row, v)) is None:
+                continue
+            same_step = "mixed_bfloat16" + {"compiled": COMPILED, "blocks": BLOCKS}[step]
+            over_bf16 = res.ratio(row, v, same_step)
+            peer = res.values(peer_row, "torchao")
+            over_peer = timing.ratio_cell(list(zip(peer, res.values(row, v))))
+            out.append(f"| {model_name} ({size}) | {label(v)} | {res.ms(row, v, fmt='{:.1f}')} | {over_bf16} "
+                       f"| {res.ms(peer_row, 'torchao', fmt='{:.1f}')} | {over_peer} |")
+    if not out:
+        return []
+    return ["", "Compiled Keras-torch FP8 against the same compile under mixed_bfloat16 and against plain PyTorch "
+            "with torchao float8, compiled (above 1.00x: ours is faster):", "", COMPILED_HEADER,
+            _sep(COMPILED_HEADER)] + out
 
 
 def _extra(per_process, key):
@@ -819,18 +909,27 @@ def _profile_table(per_process):
 
 
 def _roofline_table(per_process):
-    records = _extra(per_process, "roofline")
+    res = timing.Results(per_process, row_key="row")
     out = ["", "The FP8 roofline: the mixed_bfloat16 step with every FP8-able GEMM (forward, input and weight "
            "gradients of each layer that runs FP8, the vocabulary projection included) at the FP8 GEMM time "
            "measured in the same process.", "", ROOFLINE_HEADER, _sep(ROOFLINE_HEADER)]
     by_row = {}
-    for r in records:
-        by_row.setdefault(r["row"], []).append(r)
+    for i, records in enumerate(per_process):
+        for r in records:
+            if "roofline" in r:
+                by_row.setdefault(r["row"], []).append((i, r))
     for row, recs in by_row.items():
         model, stack = _split(row)
-        ok = [r for r in recs if "roofline_ms" in r]
+        ok = []
+        for i, r in recs:
+            bf16, fp8 = (res.index[i].get((row, v), {}).get("ms") for v in ("mixed_bfloat16", "fp8_hybrid"))
+            if "gemm_fp8_ms" in r and bf16 is not None and fp8 is not None:
+                rest = bf16 - r["gemm_plain_ms"]
+                ok.append(dict(r, rest_ms=rest, roofline_ms=rest + r["gemm_fp8_ms"], fp8_ms=fp8,
+                               fraction=(rest + r["gemm_fp8_ms"]) / fp8))
         if not ok:
-            why = recs[0].get("skipped") or f"error: {recs[0].get('error')}"
+            why = next((r.get("skipped") or f"error: {r['error']}" for _, r in recs if "skipped" in r or "error" in r),
+                       "mixed_bfloat16 or fp8_hybrid has no step time")
             out.append(f"| {model} | {STACKS.get(stack, stack)} | n/a ({why}) | - | - | - | - | - |")
             continue
         cells = [timing.cell([r[k] for r in ok], "{:.1f}") for k in
@@ -856,12 +955,40 @@ def _max_batch_table(res):
                 text += " (the search's limit)"
             if text.startswith("-"):
                 text = next((f"n/a (error: {r['error']})" for r in recs if "error" in r), "-")
-            out.append(f"| {model} | {STACKS.get(stack, stack)} | {LABELS.get(v, v)} | {text} |")
+            out.append(f"| {model} | {STACKS.get(stack, stack)} | {label(v)} | {text} |")
     return out
 
 
+def run_isolated(argv, args):
+    """`--isolate`: per backend, one worker process per variant (all models
+    and sizes of that variant in it), `--processes` rounds of them; the
+    records of round i of every variant form process i's records."""
+    envs, extra = [], []
+    for backend in args.backends.split(","):
+        names = keras_variants(args, backend)
+        if any(m in PEER_MODELS for m in args.model_list):
+            names += peer_variants(args, backend, types.SimpleNamespace(name=PEER_MODELS[0]))
+        for name in names:
+            envs.append({**os.environ, "KERAS_BACKEND": backend})
+            extra.append(["--variants", name])
+    runs = timing.run_processes(os.path.abspath(__file__), timing.worker_argv(argv), args.processes,
+                                args.process_timeout, envs, args.time_budget, extra_argvs=extra)
+    per_process = [[] for _ in range(args.processes)]
+    for env_runs in runs:
+        for i, records in enumerate(env_runs):
+            per_process[i] += records
+    return [p for p in per_process if p]
+
+
 def main(argv=None):
-    return timing.main(__file__, argv, parse_args, worker, tables, backends=True)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if not args.isolate or args.worker is not None or args.processes <= 0:
+        return timing.main(__file__, argv, parse_args, worker, tables, backends=True)
+    per_process = run_isolated(argv, args)
+    timing.write_json(args.json, per_process)
+    print(tables(per_process, args))
+    return per_process
 
 
 if __name__ == "__main__":
