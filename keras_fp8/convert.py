@@ -52,7 +52,6 @@ from keras_fp8 import compat
 from keras_fp8 import policy as policy_lib
 from keras_fp8 import recipes
 from keras_fp8.layers import swap
-from keras_fp8.layers.fp8_einsum_dense import MatmulPlan
 
 
 def convert(
@@ -367,10 +366,7 @@ def _retrack_torch_parameters(model):
 
 
 def _convert_layer(layer, recipe, min_gemm_size, policy):
-    einsum = isinstance(layer, keras.layers.EinsumDense)
     swap.to_fp8(layer, recipe, min_gemm_size)
-    if einsum:
-        layer._plan = MatmulPlan(layer.equation, _input_ndim(layer))
     if policy is not policy_lib.layer_policy(layer):
         # Before the state: its history length comes from the policy's recipe.
         layer.dtype_policy = policy
@@ -378,7 +374,7 @@ def _convert_layer(layer, recipe, min_gemm_size, policy):
     # new variables the paths `build` would have given them; `add_weight`
     # tracks them (and on torch registers them in the module's parameters).
     with compat.layer_name_scope(layer):
-        layer._build_fp8_state()
+        layer.build_fp8_state()
 
 
 def _input_ndim(layer):

@@ -38,6 +38,10 @@ MAX_HISTORY_LEN = 2**20
 MIN_SCALE = 2.0**-126
 # Fold counts wrap here, so that fold tokens stay exact in float32.
 FOLD_COUNT_PERIOD = 2.0**20
+# Below this M*K*N, an FP8 layer on a GPU with real FP8 GEMMs runs what the
+# compute-dtype layer runs on JAX: the GEMM is too small for FP8 to win back
+# its quantizes. Equal to `torch_ops.DEFAULT_MIN_GEMM_SIZE` (ConstantsTest).
+DEFAULT_MIN_GEMM_SIZE = 8192 * 2048 * 2048
 
 
 def _check_fp8_format(fp8_format):

@@ -35,7 +35,7 @@ def fp8_at_every_size(monkeypatch):
         yield
         torch_ops.set_settings(previous)
     else:
-        from keras_fp8.backends import jax as jax_backend
+        from keras_fp8 import recipes
 
-        monkeypatch.setattr(jax_backend, "DEFAULT_MIN_GEMM_SIZE", 0)
+        monkeypatch.setattr(recipes, "DEFAULT_MIN_GEMM_SIZE", 0)
         yield

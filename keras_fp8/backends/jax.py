@@ -47,10 +47,6 @@ FUSED = "fused"
 XLA = "xla"
 EMULATION = "emulation"
 
-# Below this M*N*K an FP8 layer on a GPU with real FP8 GEMMs runs what the
-# compute-dtype layer runs (`default_min_gemm_size`).
-DEFAULT_MIN_GEMM_SIZE = 8192 * 2048 * 2048
-
 
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_supported():
@@ -78,7 +74,7 @@ def prepare_device(tensor):
 
 
 def default_min_gemm_size(x):
-    """See `keras_fp8.backends`: `DEFAULT_MIN_GEMM_SIZE` where real FP8
+    """See `keras_fp8.backends`: `recipes.DEFAULT_MIN_GEMM_SIZE` where real FP8
     GEMMs run (an FP8 GPU), 0 under the exact emulation, which reproduces
     the FP8 numerics at every size.
 
@@ -90,7 +86,7 @@ def default_min_gemm_size(x):
     (docs/benchmarks.md). To be confirmed for JAX, shape by shape, by
     `benchmarks/keras_layer.py --backends jax --shapes ...`.
     """
-    return DEFAULT_MIN_GEMM_SIZE if fp8_gemm_supported() else 0
+    return recipes.DEFAULT_MIN_GEMM_SIZE if fp8_gemm_supported() else 0
 
 
 # --------------------------------------------------------------------------- choosing the route

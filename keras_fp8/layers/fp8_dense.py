@@ -59,11 +59,11 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
 
     def __init__(self, units, *, recipe=None, min_gemm_size=None, **kwargs):
         super().__init__(units, **kwargs)
-        self._init_fp8(recipe, min_gemm_size)
+        self.init_fp8(recipe, min_gemm_size)
 
     def build(self, input_shape):
         super().build(input_shape)
-        self._build_fp8_state()
+        self.build_fp8_state()
 
     def _gemm_dims(self, input_shape):
         lead = input_shape[:-1]

@@ -7,6 +7,7 @@ import keras
 from keras import ops
 from keras.saving import register_keras_serializable
 
+from keras_fp8 import compat
 from keras_fp8.layers.fp8_state import FP8StateMixin
 
 
@@ -134,12 +135,18 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         **kwargs,
     ):
         super().__init__(equation, output_shape, **kwargs)
-        self._init_fp8(recipe, min_gemm_size)
+        self.init_fp8(recipe, min_gemm_size)
 
     def build(self, input_shape):
         self._plan = MatmulPlan(self.equation, len(input_shape))
         super().build(input_shape)
-        self._build_fp8_state()
+        self.build_fp8_state()
+
+    def build_fp8_state(self):
+        if "_plan" not in vars(self):  # a built EinsumDense that keras_fp8.convert made FP8
+            shape = compat.build_input_shape(self)
+            self._plan = MatmulPlan(self.equation, None if shape is None else len(shape))
+        super().build_fp8_state()
 
     def _gemm_dims(self, input_shape):
         plan = self._plan

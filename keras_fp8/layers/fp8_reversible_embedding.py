@@ -67,11 +67,11 @@ class FP8ReversibleEmbedding(FP8StateMixin, keras.layers.ReversibleEmbedding):
                 "the compute dtype, so `reverse_dtype` must be None. Received: "
                 f"reverse_dtype={self.reverse_dtype!r}"
             )
-        self._init_fp8(recipe, min_gemm_size)
+        self.init_fp8(recipe, min_gemm_size)
 
     def build(self, input_shape=None):
         super().build(input_shape)
-        self._build_fp8_state()
+        self.build_fp8_state()
 
     @property
     def _kernel(self):

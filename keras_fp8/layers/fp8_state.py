@@ -177,7 +177,7 @@ def is_fp8_checkpoint(store, own_count):
 class FP8StateMixin:
     """Creates, resolves and updates the FP8 state of a layer.
 
-    A layer using this mixin calls `_build_fp8_state()` in `build`, and in
+    A layer using this mixin calls `build_fp8_state()` in `build`, and in
     `call` asks `_fp8_call_config(inputs)` whether this call runs in FP8
     (and with which backend config), then multiplies with
     `_fp8_matmul(x2d, kernel2d, config, training)`; it says what GEMM a call
@@ -189,7 +189,14 @@ class FP8StateMixin:
         where a dimension is not known yet)."""
         raise NotImplementedError
 
-    def _init_fp8(self, recipe, min_gemm_size):
+    def init_fp8(self, recipe, min_gemm_size):
+        """Sets the FP8 arguments (`__init__`, and `keras_fp8.convert` on a
+        plain layer whose class it swapped).
+
+        Args:
+            recipe: A recipe, its name, or None (the policy's).
+            min_gemm_size: The smallest M*K*N that runs FP8, or None.
+        """
         self.recipe = recipes.get(recipe) if recipe is not None else None
         self.min_gemm_size = recipes.check_min_gemm_size(min_gemm_size)
         # `[(M, K, N)]` of the last call, for `fp8_execution`. A list set
@@ -234,9 +241,10 @@ class FP8StateMixin:
             return policy.recipe
         return recipes.DelayedScaling()
 
-    def _build_fp8_state(self):
-        """Creates the FP8 state variables (after the base layer's `build`,
-        which has locked the layer's variable tracker)."""
+    def build_fp8_state(self):
+        """Creates the FP8 state variables: from `build`, after the base
+        layer's (which has locked the layer's variable tracker), and from
+        `keras_fp8.convert` on an already built layer."""
         # A DTypePolicyMap entry is known by path only now.
         self._check_not_quantized(self.dtype_policy)
         # Replicated under any keras.distribution, whatever its LayoutMap

@@ -96,14 +96,14 @@ def plain_variable_count(layer):
 def to_fp8(layer, recipe=None, min_gemm_size=None):
     """Makes `layer` (an exact `Dense`/`EinsumDense`) an instance of its FP8
     class, with the FP8 arguments `recipe` and `min_gemm_size`. A built
-    layer still needs its FP8 state (`_build_fp8_state`, and for an einsum
-    its `_plan`); an unbuilt one gets them from the FP8 class's `build`."""
+    layer still needs its FP8 state (`build_fp8_state`); an unbuilt one gets
+    it from the FP8 class's `build`."""
     fp8_class = FP8_CLASS[type(layer)]
     # `__class__` assignment bypasses Layer.__setattr__ (the tracker and, on
     # torch, nn.Module's registration) on purpose: it is not state.
     object.__setattr__(layer, "__class__", fp8_class)
     compat.refresh_call_signature(layer)  # FP8ReversibleEmbedding's takes `training`
-    layer._init_fp8(recipe, min_gemm_size)
+    layer.init_fp8(recipe, min_gemm_size)
 
 
 def to_plain(layer):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import keras_fp8
+from keras_fp8 import recipes
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from tests.support.backend_utils import rng_normal
@@ -59,7 +60,7 @@ def test_the_default_is_real_where_real_fp8_gemms_run(jax_backend, monkeypatch):
     assert jax_backend.default_min_gemm_size(x) == 0  # the emulation: FP8 at every size
     monkeypatch.setattr(jax_backend, "fp8_gemm_supported", lambda: True)
     # torch_ops's DEFAULT_MIN_GEMM_SIZE: the same GEMM and quantize kernels.
-    assert jax_backend.default_min_gemm_size(x) == jax_backend.DEFAULT_MIN_GEMM_SIZE == 8192 * 2048 * 2048
+    assert jax_backend.default_min_gemm_size(x) == recipes.DEFAULT_MIN_GEMM_SIZE == 8192 * 2048 * 2048
 
 
 @pytest.mark.parametrize("make,make_plain,shape", [
@@ -91,7 +92,7 @@ def test_below_the_default_a_layer_runs_exactly_its_compute_dtype_layer(real_fp8
     y, dx, grads = train_call_with_grads(layer, x, upstream)
     want_y, want_dx, want_grads = train_call_with_grads(plain, x, upstream)
     assert layer.fp8_execution()[0] == f"{layer.compute_dtype} (< min_gemm_size)"
-    assert layer.fp8_execution()[2] == jax_backend.DEFAULT_MIN_GEMM_SIZE
+    assert layer.fp8_execution()[2] == recipes.DEFAULT_MIN_GEMM_SIZE
     np.testing.assert_array_equal(y, want_y)
     np.testing.assert_array_equal(dx, want_dx)
     np.testing.assert_array_equal(grads[layer._kernel.path], want_grads[plain._kernel.path])
@@ -104,7 +105,7 @@ def test_below_the_default_a_layer_runs_exactly_its_compute_dtype_layer(real_fp8
 def test_the_first_fp8_call_after_a_stretch_continues_the_state(real_fp8_gemms, jax_backend, monkeypatch):
     """The state did not advance during the compute-dtype calls; the next
     FP8 call is exactly the reference's next call from that state."""
-    monkeypatch.setattr(jax_backend, "DEFAULT_MIN_GEMM_SIZE", 64 * 16 * 8)
+    monkeypatch.setattr(recipes, "DEFAULT_MIN_GEMM_SIZE", 64 * 16 * 8)
     layer = FP8Dense(8, dtype="fp8_hybrid[history_len=4]", use_bias=False)
     layer.build((64, 16))
     ref = ReferenceSteps(layer_state(layer), layer.dtype_policy.recipe)
@@ -129,7 +130,7 @@ def test_the_first_fp8_call_after_a_stretch_continues_the_state(real_fp8_gemms, 
 
 
 def test_a_fresh_layer_seeds_at_its_first_fp8_call(real_fp8_gemms, jax_backend, monkeypatch):
-    monkeypatch.setattr(jax_backend, "DEFAULT_MIN_GEMM_SIZE", 64 * 16 * 8)
+    monkeypatch.setattr(recipes, "DEFAULT_MIN_GEMM_SIZE", 64 * 16 * 8)
     layer = FP8Dense(8, dtype="fp8_hybrid[history_len=4]", use_bias=False)
     layer.build((64, 16))
     ref = ReferenceSteps(layer_state(layer), layer.dtype_policy.recipe)
@@ -145,7 +146,7 @@ def test_a_fresh_layer_seeds_at_its_first_fp8_call(real_fp8_gemms, jax_backend, 
     "losing the last FP8 step's unfolded gradient amax (torch's optimizer gets no gradient and keeps it); "
     "the layer's compute-dtype path must carry the pending value (keras_fp8/layers/fp8_state.py)"))
 def test_fit_keeps_the_pending_gradient_amax_through_a_compute_dtype_step(real_fp8_gemms, jax_backend, monkeypatch):
-    monkeypatch.setattr(jax_backend, "DEFAULT_MIN_GEMM_SIZE", 64 * 16 * 8)
+    monkeypatch.setattr(recipes, "DEFAULT_MIN_GEMM_SIZE", 64 * 16 * 8)
     inputs = keras.Input((16,))
     layer = FP8Dense(8, dtype="fp8_hybrid[history_len=4]")
     model = keras.Model(inputs, layer(inputs))

@@ -236,6 +236,9 @@ class ConstantsTest(parameterized.TestCase):
         self.assertEqual(ref.FP8_MAX[E5M2], recipes.FORMAT_MAX["e5m2"])
         self.assertEqual(ref.FOLD_COUNT_PERIOD, numerics.FOLD_COUNT_PERIOD)
         self.assertEqual(ref.margin_multiplier(1.5), float(numerics.margin_multiplier(1.5)))
+        import torch_ops
+
+        self.assertEqual(torch_ops.DEFAULT_MIN_GEMM_SIZE, recipes.DEFAULT_MIN_GEMM_SIZE)
 
     def test_reference_imports_nothing_else_of_torch_ops(self):
         import ast
