@@ -35,9 +35,14 @@ first step of each fit left out), per model and backend:
   `model.quantize("float8")`;
 - torch: `mixed_bfloat16+compiled` and `fp8_hybrid+compiled`, the same
   models and optimizer state trained by a `jit_compile=True` train
-  function. Each fit of a compiled variant runs under `--compile-budget`
-  seconds: one that does not finish is recorded as a timeout and the run
-  goes on. The warm-up fit's seconds (compilation) are reported apart;
+  function; on request (`--variants`) `mixed_bfloat16+blocks` and
+  `fp8_hybrid+blocks`, models whose transformer blocks
+  `keras_fp8.compile_blocks` compiled. Each fit of a compiled variant runs
+  under `--compile-budget` seconds: one that does not finish is recorded as
+  a timeout and the run goes on. The warm-up fit's seconds (compilation)
+  are reported apart, and the compilations after it as recompiles;
+- on request, `fp8_hybrid+moments` (and `fp8_hybrid+blocks+moments`):
+  AdamW with its moments in FP8 (`keras_fp8.optimizers.FP8AdamW`);
 - torch on a GPU, where `benchmarks/model.py` has the architecture in
   plain PyTorch (the Llama-style decoder, with grouped-query attention):
   `torch-bf16` (bf16 autocast, fused AdamW, compiled blocks) and `torchao`
@@ -46,6 +51,11 @@ first step of each fit left out), per model and backend:
   default the peers are timed in a second phase of the same process, after
   the Keras models are freed (`--one-phase`: all interleaved, where memory
   allows).
+
+`--isolate` runs one process per variant instead (`--processes` rounds of
+them, the ratios taken within a round): for models too large to share a
+device, and for compiled variants, whose compilations must not share a
+process.
 
 Reported per variant: ms per step, tokens per second, the step's memory
 above the resident (as in model.py), the resident weights and optimizer
