@@ -70,10 +70,11 @@ from benchmarks import timing  # noqa: E402
 SIZES = {
     "full": dict(hidden=4096, mlp=14336, heads=32, blocks=4, seq=2048, batch=8, vocab=32000),
     "small": dict(hidden=1024, mlp=2816, heads=8, blocks=4, seq=512, batch=8, vocab=8000),
-    "tiny": dict(hidden=64, mlp=128, heads=2, blocks=1, seq=32, batch=2, vocab=256),
+    "tiny": dict(hidden=64, mlp=128, heads=2, blocks=2, seq=32, batch=2, vocab=256),
 }
 SHORTCUT = "+shortcut"
 MONITOR = "+monitor"
+BLOCKS = "+blocks"  # keras_fp8.compile_blocks
 PEERS = ["torch-bf16", "torchao"]
 
 
@@ -88,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--no-shortcut-ablation", dest="shortcut", action="store_false",
                    help="torch: skip the mixed_bfloat16+shortcut variant")
     p.add_argument("--monitor", action="store_true", help="add fp8_hybrid+monitor (keras_fp8.callbacks.FP8Monitor)")
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="torch: add a POLICY+blocks variant per policy (keras_fp8.compile_blocks)")
     p.add_argument("--peers", choices=["auto", "none"], default="auto",
                    help="auto: the plain-PyTorch peers in the torch workers on a GPU")
     p.add_argument("--attention", choices=["auto", "flash", "xla"], default="auto",
@@ -133,6 +136,8 @@ def keras_variants(args, backend):
         fp8 = [p for p in args.policy_list if p != "mixed_bfloat16"]
         if fp8:
             out.append(fp8[0] + MONITOR)
+    if getattr(args, "compile_blocks", False) and backend == "torch":
+        out += [policy + BLOCKS for policy in args.policy_list]
     return out
 
 
@@ -494,9 +499,12 @@ def worker(args):
     shortcut_cls = shortcut_dense_class() if backend == "torch" else None
     for name in keras_variants(args, backend):
         policy = name.split("+")[0]
+        key = name if name.endswith(BLOCKS) else policy  # a compiled model of its own
         try:
-            if policy not in models:
-                models[policy] = keras_model(args, policy, shortcut_cls or keras.layers.Dense)
+            if key not in models:
+                models[key] = keras_model(args, policy, shortcut_cls or keras.layers.Dense)
+                if key.endswith(BLOCKS):
+                    keras_fp8.compile_blocks(models[key])
             monitor = None
             if name.endswith(MONITOR):
                 try:
@@ -506,7 +514,7 @@ def worker(args):
                     continue
             # The monitor's variant shares fp8_hybrid's model: its step memory is that one's (and the
             # probe tensors the monitor holds between steps would blur it).
-            variants[name] = KerasVariant(name, models[policy], shortcut_cls, torch_memory=cuda and args.memory
+            variants[name] = KerasVariant(name, models[key], shortcut_cls, torch_memory=cuda and args.memory
                                           and backend == "torch" and not name.endswith(MONITOR),
                                           torch_cuda=cuda and backend == "torch", monitor=monitor)
         except Exception as e:  # noqa: BLE001
@@ -599,6 +607,8 @@ MEMORY_HEADER = ("| stack | variant | resident: weights and optimizer state, GiB
 LABELS = {
     "mixed_bfloat16": "mixed_bfloat16 (Dense)",
     "mixed_bfloat16" + SHORTCUT: "mixed_bfloat16, Dense with the host-path shortcut",
+    "mixed_bfloat16" + BLOCKS: "mixed_bfloat16 (Dense), compile_blocks",
+    "fp8_hybrid" + BLOCKS: "fp8_hybrid, compile_blocks",
     "torch-bf16": "bf16 autocast, compiled blocks",
     "torchao": "torchao float8 tensorwise, compiled blocks",
 }
