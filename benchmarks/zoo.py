@@ -978,6 +978,8 @@ def run_isolated(argv, args):
         names = keras_variants(args, backend)
         if any(m in PEER_MODELS for m in args.model_list):
             names += peer_variants(args, backend, types.SimpleNamespace(name=PEER_MODELS[0]))
+        if args.variant_list is not None:  # in the order asked for
+            names = [v for v in args.variant_list if v in names]
         for name in names:
             envs.append({**os.environ, "KERAS_BACKEND": backend})
             extra.append(["--variants", name])
