@@ -347,6 +347,9 @@ def _zoo_records(p):
                     "resident_gib": 20.0, "peak_gib": 30.0, "warmup_s": 12.0})
     out.append({"variant": "fp8_hybrid+compiled", "row": row,
                 "error": "VariantTimeout: fp8_hybrid+compiled fit: no result within 120 s"})
+    for v, ms in (("mixed_bfloat16+blocks", 240.0), ("fp8_hybrid+blocks", 150.0)):
+        out.append({"variant": v, "row": row, "ms": ms, "tok_per_s": 8192 / ms * 1e3, "warmup_s": 60.0,
+                    "recompiles": 0})
     out.append({"variant": "torch-bf16", "row": "llama/large/torch", "ms": 150.0, "tok_per_s": 1.0})
     out.append({"variant": "torchao", "row": "llama/large/torch", "ms": 120.0, "tok_per_s": 1.0})
     categories = dict.fromkeys(zoo.CATEGORY_NAMES, 10.0)
@@ -372,7 +375,17 @@ class ZooTest(parameterized.TestCase):
                           "fp8_hybrid+compiled"])
         self.assertEqual(zoo.keras_variants(args, "jax"), ["mixed_bfloat16", "fp8_hybrid", "keras_float8"])
         self.assertEqual(zoo.parse_args(["--dry-run"]).size_list, ["tiny"])
-        for bad in (["--models", "llama,t5"], ["--sizes", "huge"], ["--steps", "1"], ["--compile-budget", "0"]):
+        some = zoo.parse_args(["--variants", "fp8_hybrid+blocks,mixed_bfloat16,torchao,fp8_hybrid+moments"])
+        self.assertEqual(zoo.keras_variants(some, "torch"),
+                         ["mixed_bfloat16", "fp8_hybrid+blocks", "fp8_hybrid+moments"])
+        self.assertEqual(zoo.keras_variants(some, "jax"), ["mixed_bfloat16", "fp8_hybrid+moments"])
+        self.assertEqual(zoo.peer_variants(some, "torch", cfg), ["torchao"])
+        self.assertEqual(zoo.peer_variants(some, "jax", cfg), [])
+        self.assertEqual(zoo.parse_variant("fp8_hybrid+blocks+moments"), ("fp8_hybrid", "blocks", True))
+        self.assertEqual(zoo.parse_variant("keras_float8"), ("mixed_bfloat16", "eager", False))
+        self.assertEqual(zoo.label("mixed_bfloat16+compiled"), "mixed_bfloat16, jit_compile=True")
+        for bad in (["--models", "llama,t5"], ["--sizes", "huge"], ["--steps", "1"], ["--compile-budget", "0"],
+                    ["--variants", "fp8_hybrid,bf16"]):
             with self.assertRaises(SystemExit):
                 zoo.parse_args(bad)
         for name in zoo.MODELS:  # every size is a valid attention layout
@@ -391,12 +404,16 @@ class ZooTest(parameterized.TestCase):
     def test_tables(self):
         text = zoo.tables([_zoo_records(p) for p in range(3)])
         rows = _rows(text, zoo.HEADER)
-        self.assertLen(rows, 6)
+        self.assertLen(rows, 8)
         self.assertEqual({_cols(r) for r in rows}, {_cols(zoo.HEADER)})
         self.assertIn("| llama (large) | Keras, torch backend | fp8_hybrid | 200.0 [200.0-200.0] | 40960 [40960-40960] "
                       "| 1.50x [1.50-1.51] | 1.25x [1.25-1.25] | 10.00 [10.00-10.00] | 30.00 [30.00-30.00] "
-                      "| 12 [12-12] |", text)
+                      "| 12 [12-12] | - |", text)
         self.assertIn("n/a (error: VariantTimeout: fp8_hybrid+compiled fit: no result within 120 s)", text)
+        # ours 150 ms against torchao's 120 and bf16's 240 under the same compile
+        self.assertEqual(_rows(text, zoo.COMPILED_HEADER),
+                         ["| llama (large) | fp8_hybrid, compile_blocks | 150.0 [150.0-150.0] | 1.60x [1.60-1.60] "
+                          "| 120.0 [120.0-120.0] | 0.80x [0.80-0.80] |"])
         profile = _rows(text, zoo.PROFILE_HEADER)
         self.assertLen(profile, len(zoo.CATEGORY_NAMES) + 1)
         roofline = _rows(text, zoo.ROOFLINE_HEADER)
