@@ -78,6 +78,7 @@ from keras_fp8 import recipes
 from keras_fp8.autocast import autocast
 from keras_fp8.backends import xla_flags as _xla_flags
 from keras_fp8.compilation import compile_blocks
+from keras_fp8.compilation import compile_optimizer
 from keras_fp8.convert import convert
 from keras_fp8.convert import unconvert
 from keras_fp8.inspection import summary
@@ -111,6 +112,7 @@ __all__ = [
     "autocast",
     "callbacks",
     "compile_blocks",
+    "compile_optimizer",
     "convert",
     "layers",
     "monitor",

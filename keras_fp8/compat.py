@@ -1,9 +1,10 @@
 """Every place keras-fp8 touches Keras's internals, each with the reason.
 
-Keras's public API has no hook for the ten things below that keras-fp8
+Keras's public API has no hook for the eleven things below that keras-fp8
 needs, so this module patches them (at `import keras_fp8`, idempotently; 7 to
-10 on the torch backend only, and each is harmless to code that keeps to
-Keras's public API), and it holds every
+10 on the torch backend only; 11 on the optimizers `keras_fp8.compile_optimizer`
+is given, only; each is harmless to code that keeps to Keras's public API),
+and it holds every
 private Keras name the package uses, so that a Keras upgrade is checked here
 and nowhere else. Written for the Keras versions in `TESTED_KERAS`; another
 version gets a one-time warning naming what to check.
@@ -91,6 +92,20 @@ Compiled training on torch (`jit_compile=True`, `keras_fp8.compile_blocks`):
    dynamo guards too (its part of the step compiled twice). The step
    computes the same: the gradients are cleared before the backward pass
    either way, and the cache holds what the first step would put there.
+11. An optimizer's `_backend_apply_gradients` and `_get_current_learning_rate`,
+   on the optimizer instances given to `keras_fp8.compile_optimizer` (torch).
+   Keras's step after the gradients are filtered and unscaled (clipping,
+   weight decay, the variable update, EMA) is that one method, and Keras has
+   no hook to compile it: its torch Adam runs a chain of `torch._foreach_*`
+   ops, each a pass over every weight, gradient and moment. The method runs
+   through `torch.compile` instead, which fuses the chain. The learning rate
+   is computed eagerly before, by Keras's own method, and
+   `_get_current_learning_rate` returns that value while the compiled method
+   runs: a schedule may branch on a tensor (`ops.cond`, e.g. `CosineDecay`
+   with warmup), which dynamo cannot trace into one graph, and a Python
+   number would be a constant of the compiled code (a recompilation at every
+   change). Both methods are Keras's own where the update is traced by an
+   enclosing compilation (`jit_compile=True`) or runs in a stateless scope.
 """
 
 import contextlib
@@ -100,6 +115,7 @@ import re
 import warnings
 
 import keras
+from keras.src.backend import numpy as _backend_numpy
 from keras.src.backend.common import global_state as _global_state
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.variables import AutocastScope as _AutocastScope
@@ -401,6 +417,77 @@ def _fill_weight_decay_cache(optimizer, variables):
         optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
+def compile_optimizer_update(optimizer, compile_fn, is_tracing):
+    """Patch 11: `optimizer._backend_apply_gradients(grads, variables)` runs
+    `compile_fn(keras_method)(optimizer, grads, variables)` (outside
+    `is_tracing()` and stateless scopes), with the learning rate computed
+    eagerly first. Calling it again replaces the previous compiled method."""
+    keras_apply = type(optimizer)._backend_apply_gradients
+    keras_learning_rate = type(optimizer)._get_current_learning_rate
+    compiled = compile_fn(keras_apply)
+    current = _CurrentLearningRate()
+
+    def _get_current_learning_rate():
+        if current.value is not None:
+            return current.value
+        return keras_learning_rate(optimizer)
+
+    def _backend_apply_gradients(grads, trainable_variables):
+        if is_tracing() or _in_stateless_scope():
+            return keras_apply(optimizer, grads, trainable_variables)
+        check_compilable_update(optimizer)
+        _fill_weight_decay_cache(optimizer, trainable_variables)
+        current.value = learning_rate_tensor(keras_learning_rate(optimizer))
+        try:
+            return compiled(optimizer, grads, trainable_variables)
+        finally:
+            current.value = None
+
+    _backend_apply_gradients.compiled_update = True
+    # The instance dict: Keras's attribute tracking does not see them.
+    optimizer.__dict__["_get_current_learning_rate"] = _get_current_learning_rate
+    optimizer.__dict__["_backend_apply_gradients"] = _backend_apply_gradients
+
+
+def has_compiled_update(optimizer):
+    """Whether patch 11 compiles `optimizer`'s update."""
+    method = optimizer.__dict__.get("_backend_apply_gradients")
+    return getattr(method, "compiled_update", False)
+
+
+def check_compilable_update(optimizer):
+    """Raises for the options under which Keras's update branches on a
+    tensor at every step (`ops.cond`), which torch.compile cannot trace
+    into one graph: gradient accumulation and EMA's overwrite frequency."""
+    for option in ("gradient_accumulation_steps", "ema_overwrite_frequency"):
+        value = getattr(optimizer, option, None)
+        if value:
+            raise ValueError(
+                f"compile_optimizer: `{option}` is not supported ({type(optimizer).__name__} has {option}={value!r}): "
+                "Keras's update then branches on a tensor at every step, which torch.compile cannot trace into "
+                f"one graph. Expected {option}=None; or leave this optimizer eager."
+            )
+
+
+class _CurrentLearningRate:
+    """The learning rate of the compiled update running now (None outside it)."""
+
+    value = None
+
+
+def learning_rate_tensor(value):
+    """A learning rate as a compiled update receives it: a tensor (a Keras
+    variable's value, a schedule's result), or a Python number as a float64
+    scalar tensor, which Keras's ops round to the variables' dtype as they
+    round the Python number. Never a Python number: torch.compile would make
+    it a constant of the compiled code and compile again when it changes."""
+    if isinstance(value, keras.Variable):
+        return value.value
+    if isinstance(value, (int, float)):
+        return keras.ops.convert_to_tensor(value, dtype="float64")
+    return keras.ops.convert_to_tensor(value)
+
+
 # --------------------------------------------------------------------------- private names, wrapped
 def raw_value(variable):
     """A variable's value in its own dtype: no mixed-precision autocast."""
@@ -580,6 +667,17 @@ def set_policy_object(layer, policy):
 def check_load_own_variables(layer, store):
     """Keras's check that a store holds as many variables as `layer` has."""
     layer._check_load_own_variables(store)
+
+
+def pad_with_zeros(x, pad_width):
+    """`keras.ops.pad(x, pad_width)` (constant zeros) on a backend tensor,
+    without the Keras `Pad` operation `ops.pad` creates at every call,
+    eager ones included: a new object named from a global counter, on which
+    torch.compile guards, so the function calling it would compile again at
+    every call. The backend's own `pad` is what that operation runs."""
+    if isinstance(x, keras.KerasTensor):
+        return keras.ops.pad(x, pad_width)
+    return _backend_numpy.pad(x, pad_width)
 
 
 def optimization_barrier(x):

@@ -78,8 +78,13 @@ class _FP8Moments:
 
     def update_step(self, gradient, variable, learning_rate):
         i = self._get_variable_index(variable)
-        m, m_scale = self._momentums[i], self._momentum_scales[i]
-        v, v_scale = self._velocities[i], self._velocity_scales[i]
+        self._update_variable(variable, gradient, learning_rate, self._momentums[i], self._momentum_scales[i],
+                              self._velocities[i], self._velocity_scales[i])
+
+    def _update_variable(self, variable, gradient, learning_rate, m, m_scale, v, v_scale):
+        """One variable's step on its state variables: what
+        `keras_fp8.compile_optimizer` compiles, once for all the variables
+        of one shape."""
         new_variable, m_q, m_scales, v_q, v_scales = numerics.adam_update_fp8_moments(
             variable.value, gradient, ops.view(m.value, _E4M3), m_scale.value, v.value, v_scale.value,
             learning_rate, self.iterations, self.beta_1, self.beta_2, self.epsilon)
@@ -172,6 +177,11 @@ class FP8AdamW(_FP8Moments, keras.optimizers.AdamW):
         _check_options(type(self).__name__, beta_1, beta_2, epsilon, amsgrad)
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2,
                          epsilon=epsilon, amsgrad=amsgrad, **kwargs)
+
+
+def has_fp8_moments(optimizer):
+    """Whether `optimizer` keeps its moments in FP8 (`FP8Adam`, `FP8AdamW`)."""
+    return isinstance(optimizer, _FP8Moments)
 
 
 def _is_keras_adam(optimizer):

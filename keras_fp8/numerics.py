@@ -422,7 +422,7 @@ def _tiles(x2d, axis):
     lines, n = t.shape
     tiles = -(-n // BLOCK)
     if tiles * BLOCK != n:
-        t = ops.pad(t, ((0, 0), (0, tiles * BLOCK - n)))
+        t = compat.pad_with_zeros(t, ((0, 0), (0, tiles * BLOCK - n)))
     return ops.reshape(t, (lines, tiles, BLOCK)), n
 
 
@@ -469,7 +469,7 @@ def quantize_blocks(w2d, fmt, margin=0.0, power_of_two=False):
     r, c = w.shape
     rb, cb = -(-r // BLOCK), -(-c // BLOCK)
     if (rb * BLOCK, cb * BLOCK) != (r, c):
-        w = ops.pad(w, ((0, rb * BLOCK - r), (0, cb * BLOCK - c)))
+        w = compat.pad_with_zeros(w, ((0, rb * BLOCK - r), (0, cb * BLOCK - c)))
     blocks = ops.transpose(ops.reshape(w, (rb, BLOCK, cb, BLOCK)), (0, 2, 1, 3))
     scales = block_scale(_tile_amax(blocks, (2, 3)), fmt, margin, power_of_two)
     q = _quantize_scaled(blocks, ops.reshape(scales, (rb, cb, 1, 1)), fmt)
@@ -555,20 +555,35 @@ MOMENT_BLOCK = 128
 FLOAT16_MAX = 65504.0
 
 
-def _moment_blocks(x):
-    """`x` (any shape) flattened to float32 `(blocks, MOMENT_BLOCK)` rows,
-    zero padded, and its number of elements."""
+def _block_amax(x):
+    """The amax of each MOMENT_BLOCK-element block of the flattened `x`
+    (float32; inf for a block holding NaN, as `_tile_amax`). The last block
+    is padded with zeros, which never raise an amax."""
     flat = ops.reshape(ops.cast(x, "float32"), (-1,))
     n = flat.shape[0]
     blocks = -(-n // MOMENT_BLOCK)
     if blocks * MOMENT_BLOCK != n:
-        flat = ops.pad(flat, ((0, blocks * MOMENT_BLOCK - n),))
-    return ops.reshape(flat, (blocks, MOMENT_BLOCK)), n
+        flat = compat.pad_with_zeros(flat, ((0, blocks * MOMENT_BLOCK - n),))
+    return _tile_amax(ops.reshape(flat, (blocks, MOMENT_BLOCK)), 1)
 
 
-def _from_moment_blocks(t, n, shape):
-    """The first `n` elements of the rows `t`, in `shape`."""
-    return ops.reshape(ops.reshape(t, (-1,))[:n], shape)
+def _blockwise(fn, x, scales):
+    """`fn(block, scale)` on each MOMENT_BLOCK-element block of the flattened
+    `x` with its block's scale, element by element, in `x`'s shape.
+
+    The full blocks are one `(blocks, MOMENT_BLOCK)` view and the shorter
+    last block a tensor of its own: no element is computed on a padded
+    layout and cut back. (torch.compile's CPU code, writing such a cut-back
+    result into a variable, loses the elements past the last full block.)
+    """
+    flat = ops.reshape(x, (-1,))
+    n = flat.shape[0]
+    full = n // MOMENT_BLOCK
+    head = ops.reshape(flat[: full * MOMENT_BLOCK], (full, MOMENT_BLOCK))
+    out = ops.reshape(fn(head, ops.expand_dims(scales[:full], -1)), (-1,))
+    if full * MOMENT_BLOCK != n:
+        out = ops.concatenate([out, fn(flat[full * MOMENT_BLOCK:], scales[full:])])
+    return ops.reshape(out, x.shape)
 
 
 def moment_blocks(shape):
@@ -589,16 +604,14 @@ def quantize_first_moment(m):
         `(moment_blocks(m.shape),)`, `block_scale(amax, "e4m3")` of each
         block (1 for a block of zeros or with a non-finite value).
     """
-    t, n = _moment_blocks(m)
-    scales = block_scale(_tile_amax(t, 1), "e4m3")
-    q = _quantize_scaled(t, ops.expand_dims(scales, -1), "e4m3")
-    return _from_moment_blocks(q, n, m.shape), scales
+    m = ops.cast(m, "float32")
+    scales = block_scale(_block_amax(m), "e4m3")
+    return _blockwise(lambda t, s: _quantize_scaled(t, s, "e4m3"), m, scales), scales
 
 
 def dequantize_first_moment(q, scales):
     """`q * scale` of each block, float32, shaped like `q` (an E4M3 tensor)."""
-    t, n = _moment_blocks(widen(q))
-    return _from_moment_blocks(ops.multiply(t, ops.expand_dims(scales, -1)), n, q.shape)
+    return _blockwise(ops.multiply, widen(q), scales)
 
 
 def _power_of_two_at_least(s):
@@ -638,11 +651,14 @@ def quantize_second_moment(v):
         (inf becomes NaN, as in `quantize`); `scales` float32 of shape
         `(moment_blocks(v.shape),)`.
     """
-    t, n = _moment_blocks(ops.sqrt(ops.cast(v, "float32")))
-    scales = ops.expand_dims(_root_scale(_tile_amax(t, 1)), -1)
-    scaled = ops.where(ops.isinf(t), float("nan"), ops.multiply(t, reciprocal(scales)))
-    q = ops.cast(ops.clip(scaled, -FLOAT16_MAX, FLOAT16_MAX), "float16")
-    return _from_moment_blocks(q, n, v.shape), ops.squeeze(scales, -1)
+    r = ops.sqrt(ops.cast(v, "float32"))
+    scales = _root_scale(_block_amax(r))
+
+    def store(t, scale):
+        scaled = ops.where(ops.isinf(t), float("nan"), ops.multiply(t, reciprocal(scale)))
+        return ops.cast(ops.clip(scaled, -FLOAT16_MAX, FLOAT16_MAX), "float16")
+
+    return _blockwise(store, r, scales), scales
 
 
 def dequantize_second_moment(q, scales):
@@ -652,9 +668,11 @@ def dequantize_second_moment(q, scales):
     # The barrier: a compiler may fold float32 -> float16 -> float32 (where
     # the quantization and this widening meet in one compiled function) into
     # nothing; the stored value is the float16 one.
-    t, n = _moment_blocks(widen(q))
-    r = ops.multiply(t, ops.expand_dims(scales, -1))
-    return _from_moment_blocks(ops.multiply(r, r), n, q.shape)
+    def square(t, scale):
+        r = ops.multiply(t, scale)
+        return ops.multiply(r, r)
+
+    return _blockwise(square, widen(q), scales)
 
 
 def adam_update_fp8_moments(variable, gradient, m_q, m_scales, v_q, v_scales, learning_rate, iteration,
