@@ -412,7 +412,7 @@ class ZooTest(parameterized.TestCase):
         self.assertIn("n/a (error: VariantTimeout: fp8_hybrid+compiled fit: no result within 120 s)", text)
         # ours 150 ms against torchao's 120 and bf16's 240 under the same compile
         self.assertEqual(_rows(text, zoo.COMPILED_HEADER),
-                         ["| llama (large) | fp8_hybrid, compile_blocks | 150.0 [150.0-150.0] | 1.60x [1.60-1.60] "
+                         ["| llama (large) | fp8_hybrid, compile_blocks and compile_optimizer | 150.0 [150.0-150.0] | 1.60x [1.60-1.60] "
                           "| 120.0 [120.0-120.0] | 0.80x [0.80-0.80] |"])
         profile = _rows(text, zoo.PROFILE_HEADER)
         self.assertLen(profile, len(zoo.CATEGORY_NAMES) + 1)
