@@ -73,7 +73,8 @@ def _variable_reader():
 def fp8_matmul(layer, x, kernel, bias, config, training):
     """See `keras_fp8.backends`: `torch_ops.fp8_linear` on the layer's FP8
     state variables (the gradient channel included), whose bias is added in
-    x's dtype (fused into the GEMM)."""
+    x's dtype (fused into the GEMM). `bias` is the layer's bias variable or
+    a tensor made from it (`FP8EinsumDense`'s bias as the GEMM's columns)."""
     value = _variable_reader()
     state = torch_ops.FP8LinearState(
         value(layer.input_scale),
@@ -85,4 +86,6 @@ def fp8_matmul(layer, x, kernel, bias, config, training):
         grad_amax_pending=value(layer.grad_amax_pending),
         grad_fold_state=value(layer.grad_fold_state),
     )
-    return torch_ops.fp8_linear(x, kernel, None if bias is None else value(bias), state, config, bool(training))
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        bias = value(bias)
+    return torch_ops.fp8_linear(x, kernel, bias, state, config, bool(training))

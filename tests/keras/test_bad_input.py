@@ -32,6 +32,7 @@
 | `convert(model)` without `policy` | the layers run FP8 under `fp8_hybrid` |
 | a complex64 input | a warning saying the layer runs as `Dense` in complex64 |
 | a misspelled or misplaced key in a policy name (`histroy_len`) | ValueError listing the valid keys |
+| `FP8EinsumDense` with a bias, any `bias_axes` (bfloat16, outputs in the thousands) | one rounding after the bias: `FP8Dense`'s bits for the same kernel, bias and state, and the NumPy reference's (`test_fp8_einsum_dense.py`, `FP8EinsumDenseBiasTest`) |
 """
 
 import re
