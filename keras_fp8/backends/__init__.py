@@ -19,8 +19,11 @@ and may provide `linear_config(recipe, min_gemm_size)` (the backend's form
 of a recipe for one layer's matmuls, made once per layer and recipe: torch, a
 `torch_ops.LinearConfig`; without it `fp8_matmul` gets the recipe itself),
 `prepare_device(tensor)` (settle, in eager code, where FP8 matmuls on
-`tensor`'s device run) and `mark_amax_channel(variable)` (tell the backend's
-data-parallel tooling that this variable's gradient is an amax).
+`tensor`'s device run), `mark_amax_channel(variable)` (tell the backend's
+data-parallel tooling that this variable's gradient is an amax) and
+`fold_pending_grad_amax(layer, recipe)` (what a training call of an FP8
+layer that runs in the compute dtype does to keep the pending gradient
+amax: JAX, whose optimizers overwrite it with a zero gradient, folds it).
 
 `jax` runs FP8 `dot_general` through XLA on FP8-capable GPUs and the exact
 emulation elsewhere; `torch` runs `torch_ops` (the compiled kernels on the

@@ -412,6 +412,15 @@ def _fold_grad_state(layer, recipe, training):
     return grad_history, grad_scale, emit_token
 
 
+def fold_pending_grad_amax(layer, recipe):
+    """See `keras_fp8.backends`: a training call of an FP8 layer that runs
+    in the compute dtype folds the pending gradient amax, as a training
+    FP8 call does. Keras's JAX optimizer overwrites `grad_amax_pending` with
+    every step's gradient, zero where no FP8 backward ran: an amax still
+    pending would be lost."""
+    _fold_grad_state(layer, recipe, True)
+
+
 def fp8_matmul(layer, x, kernel, bias, recipe, training):
     """See `keras_fp8.backends`."""
     x = _as_stored(x)

@@ -197,7 +197,7 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         return m, k, math.prod(kernel_shape[plan.n_contracted :])
 
     def call(self, inputs, training=None):
-        config = self._fp8_call_config(inputs)
+        config = self._fp8_call_config(inputs, bool(training))
         if config is None:
             return super().call(inputs, training=training)
         y = self._fp8_einsum(inputs, config, bool(training))

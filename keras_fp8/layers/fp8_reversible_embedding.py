@@ -100,16 +100,16 @@ class FP8ReversibleEmbedding(FP8StateMixin, keras.layers.ReversibleEmbedding):
                 f"inputs: expected a last dimension of {self.output_dim} (the "
                 f"layer's output_dim) for reverse=True, got shape {tuple(inputs.shape)}"
             )
-        config = self._fp8_call_config(inputs)
+        if training is None:
+            # A layer that became FP8 by a policy keeps the call signature
+            # Keras read from `ReversibleEmbedding` (no `training`), so its
+            # parents do not pass it: the call context holds it.
+            context = compat.current_call_context()
+            training = None if context is None else context.get_value("training")
+        config = self._fp8_call_config(inputs, bool(training))
         if config is None:
             logits = self._compute_dtype_projection(inputs)
         else:
-            if training is None:
-                # A layer that became FP8 by a policy keeps the call signature
-                # Keras read from `ReversibleEmbedding` (no `training`), so its
-                # parents do not pass it: the call context holds it.
-                context = compat.current_call_context()
-                training = None if context is None else context.get_value("training")
             x = ops.reshape(inputs, (-1, self.output_dim))
             logits = self._fp8_matmul(x, self._projection_kernel(), config, bool(training))
             logits = ops.reshape(logits, tuple(ops.shape(inputs)[:-1]) + (self.input_dim,))

@@ -403,7 +403,7 @@ class FP8StateMixin:
         # Into the instance dict: Keras's attribute tracking is not needed.
         self.__dict__["_gemm_observer"] = observer
 
-    def _fp8_call_config(self, inputs):
+    def _fp8_call_config(self, inputs, training=False):
         """The backend config of this call's FP8 matmul (None: run as the
         base layer).
 
@@ -411,14 +411,37 @@ class FP8StateMixin:
         an empty matmul, below `min_gemm_size` (`_resolved_min_gemm_size`),
         and where FP8 cannot take it (LoRA enabled, inputs that are not
         floating point: with a one-time warning naming the layer); its FP8
-        state does not advance. The config is made once per recipe and
-        limit (`backends.linear_config`) and kept on the layer.
+        state does not advance, but a training call keeps the pending
+        gradient amax of the last FP8 step (`_keep_pending_grad_amax`).
+        The config is made once per recipe and limit
+        (`backends.linear_config`) and kept on the layer.
         """
         # One lookup of the policy per call (a DTypePolicyMap matches paths).
         policy = policy_lib.layer_policy(self)
         recipe = self._fp8_recipe(policy)
         if recipe is None:
             return None
+        config = self._fp8_config_for(inputs, recipe, policy)
+        if config is None and training:
+            self._keep_pending_grad_amax(recipe)
+        return config
+
+    def _keep_pending_grad_amax(self, recipe):
+        """A training call in the compute dtype while FP8 is on: the last
+        FP8 step's output-gradient amax, still pending in
+        `grad_amax_pending`, must survive this step's optimizer. Keras's
+        torch optimizer gets no gradient for the variable and leaves it for
+        the next FP8 call to fold; Keras's JAX optimizer overwrites it with
+        this step's gradient (zero), so there the backend folds it now
+        (`fold_pending_grad_amax`: the fold the next FP8 call would make;
+        a value already folded is not folded again)."""
+        fold = getattr(backends.get(), "fold_pending_grad_amax", None)
+        if fold is not None:
+            with _state_lock(self, True):
+                fold(self, recipe)
+
+    def _fp8_config_for(self, inputs, recipe, policy):
+        """`_fp8_call_config` once FP8 is on for the layer (`recipe`)."""
         dims = self._gemm_dims(tuple(inputs.shape))
         self._last_gemm[0] = dims  # for `fp8_execution` (keras_fp8.summary)
         size = recipes.gemm_size(dims)
