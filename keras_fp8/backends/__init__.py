@@ -23,7 +23,9 @@ of a recipe for one layer's matmuls, made once per layer and recipe: torch, a
 data-parallel tooling that this variable's gradient is an amax) and
 `fold_pending_grad_amax(layer, recipe)` (what a training call of an FP8
 layer that runs in the compute dtype does to keep the pending gradient
-amax: JAX, whose optimizers overwrite it with a zero gradient, folds it).
+amax: JAX, whose optimizers overwrite it with a zero gradient, folds it)
+and `reduces_amaxes()` (whether training calls reduce amaxes over
+processes now, so that an empty one must still take part).
 
 `jax` runs FP8 `dot_general` through XLA on FP8-capable GPUs and the exact
 emulation elsewhere; `torch` runs `torch_ops` (the compiled kernels on the
@@ -97,3 +99,12 @@ def mark_amax_channel(variable):
     mark = getattr(get(), "mark_amax_channel", None)
     if mark is not None:
         mark(variable)
+
+
+def reduces_amaxes():
+    """Whether the current backend's FP8 training calls reduce their amaxes
+    over processes now (torch: `torch_ops.distributed.reduction_group()`
+    under `torch.distributed`), so that a call with an empty input must
+    still take part. False elsewhere."""
+    reduces = getattr(get(), "reduces_amaxes", None)
+    return reduces is not None and reduces()

@@ -38,6 +38,13 @@ def mark_amax_channel(variable):
         torch_ops.distributed.mark_amax_channel(value)
 
 
+def reduces_amaxes():
+    """See `keras_fp8.backends`: whether an amax reduction group of more
+    than one process is in effect (`torch_ops.distributed`); torch_ops then
+    runs an empty training call through the reductions, contributing zero."""
+    return torch_ops.distributed.reduction_group() is not None
+
+
 def default_min_gemm_size(x):
     """See `keras_fp8.backends`: torch_ops's setting for `x`'s device."""
     return torch_ops.get_settings().resolved_min_gemm_size(_kernels_for(x) is not None)

@@ -421,7 +421,7 @@ class FP8StateMixin:
         recipe = self._fp8_recipe(policy)
         if recipe is None:
             return None
-        config = self._fp8_config_for(inputs, recipe, policy)
+        config = self._fp8_config_for(inputs, recipe, policy, training)
         if config is None and training:
             self._keep_pending_grad_amax(recipe)
         return config
@@ -440,17 +440,24 @@ class FP8StateMixin:
             with _state_lock(self, True):
                 fold(self, recipe)
 
-    def _fp8_config_for(self, inputs, recipe, policy):
-        """`_fp8_call_config` once FP8 is on for the layer (`recipe`)."""
+    def _fp8_config_for(self, inputs, recipe, policy, training):
+        """`_fp8_call_config` once FP8 is on for the layer (`recipe`).
+
+        An empty training call takes the FP8 path where the backend reduces
+        amaxes over processes now (`backends.reduces_amaxes`: torch under
+        `torch.distributed`): the other processes' calls wait for its part
+        in each reduction (zero), and a collective left out would pair
+        their next ones wrongly.
+        """
         dims = self._gemm_dims(tuple(inputs.shape))
         self._last_gemm[0] = dims  # for `fp8_execution` (keras_fp8.summary)
         size = recipes.gemm_size(dims)
         limit = None  # a call of unknown size takes the FP8 path (the same output spec)
         if size is not None:
-            if size == 0:
+            if size == 0 and not (training and backends.reduces_amaxes()):
                 return None
             limit = self._resolved_min_gemm_size(inputs, policy)
-            if size < limit:
+            if 0 < size < limit:
                 return None
         if self.lora_enabled:
             warn_runs_without_fp8(self, "LoRA is enabled (FP8 layers do not support LoRA)")
