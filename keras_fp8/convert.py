@@ -371,6 +371,7 @@ def _convert_layer(layer, recipe, min_gemm_size, policy):
     swap.to_fp8(layer, recipe, min_gemm_size)
     if einsum:
         layer._plan = MatmulPlan(layer.equation, _input_ndim(layer))
+        layer._plan_bias()
     if policy is not policy_lib.layer_policy(layer):
         # Before the state: its history length comes from the policy's recipe.
         layer.dtype_policy = policy

@@ -177,14 +177,18 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
     def build(self, input_shape):
         self._plan = MatmulPlan(self.equation, len(input_shape))
         super().build(input_shape)
-        # How the bias enters the FP8 GEMM (None: no bias, or one that
-        # cannot map onto N; `_fp8_einsum`).
-        # (The instance dict: Keras's attribute tracking is not needed.)
-        self.__dict__["_bias_columns"] = None
-        if self.bias is not None:
-            self.__dict__["_bias_columns"] = self._plan.bias_columns(
-                tuple(self.bias.shape), tuple(self._kernel.shape))
+        self._plan_bias()
         self._build_fp8_state()
+
+    def _plan_bias(self):
+        """Decides, once the kernel and bias exist, how the bias enters the
+        FP8 GEMM (`_bias_columns`, `MatmulPlan.bias_columns`; None: no bias,
+        or one that cannot map onto N)."""
+        columns = None
+        if self.bias is not None:
+            columns = self._plan.bias_columns(tuple(self.bias.shape), tuple(self._kernel.shape))
+        # The instance dict: Keras's attribute tracking is not needed.
+        self.__dict__["_bias_columns"] = columns
 
     def _gemm_dims(self, input_shape):
         plan = self._plan

@@ -97,7 +97,8 @@ def to_fp8(layer, recipe=None, min_gemm_size=None):
     """Makes `layer` (an exact `Dense`/`EinsumDense`) an instance of its FP8
     class, with the FP8 arguments `recipe` and `min_gemm_size`. A built
     layer still needs its FP8 state (`_build_fp8_state`, and for an einsum
-    its `_plan`); an unbuilt one gets them from the FP8 class's `build`."""
+    its `_plan` and `_plan_bias()`); an unbuilt one gets them from the FP8
+    class's `build`."""
     fp8_class = FP8_CLASS[type(layer)]
     # `__class__` assignment bypasses Layer.__setattr__ (the tracker and, on
     # torch, nn.Module's registration) on purpose: it is not state.
@@ -116,7 +117,7 @@ def to_plain(layer):
     for name in ("recipe", "min_gemm_size", "_plan"):
         if name in vars(layer):
             delattr(layer, name)
-    for name in ("_last_gemm", "_fp8_backend_config"):  # set outside Keras's tracking
+    for name in ("_last_gemm", "_fp8_backend_config", "_bias_columns"):  # set outside Keras's tracking
         layer.__dict__.pop(name, None)
     object.__setattr__(layer, "__class__", PLAIN_CLASS[type(layer)])
     compat.refresh_call_signature(layer)
