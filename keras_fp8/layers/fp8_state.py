@@ -356,12 +356,17 @@ class FP8StateMixin:
         """The variable's value in its own dtype (no mixed-precision cast)."""
         return compat.raw_value(variable)
 
+    # How `_fp8_matmul`'s kernel is stored: `(K, N)` ("in_out", Keras's
+    # Dense) or `(N, K)` ("out_in", a tied embedding matrix, read as stored).
+    _kernel_layout = "in_out"
+
     def _fp8_matmul(self, x, kernel, config, training, bias=None):
         """`x @ kernel (+ bias)` with FP8 operands; updates the state if training.
 
         Args:
             x: `(M, K)` tensor in the compute dtype.
-            kernel: `(K, N)` float32 kernel (the variable's own value).
+            kernel: `(K, N)` float32 kernel (the variable's own value), or
+                `(N, K)` where the layer's `_kernel_layout` is "out_in".
             config: The call's backend config (`_fp8_call_config`).
             training: Whether to record amaxes and fold the gradient amax.
             bias: Optional `(N,)` bias variable, added to the output (fused
@@ -371,7 +376,7 @@ class FP8StateMixin:
             `(M, N)` tensor in `x`'s dtype.
         """
         with _state_lock(self, training):
-            y = backends.get().fp8_matmul(self, x, kernel, bias, config, bool(training))
+            y = backends.get().fp8_matmul(self, x, kernel, bias, config, bool(training), self._kernel_layout)
         observer = self._gemm_observer
         return y if observer is None else observer(self, x, y)
 
@@ -478,7 +483,7 @@ class FP8StateMixin:
         # (a dict keyed by the recipe, or `__dict__.setdefault`, is not).
         cached = self._fp8_backend_config[0]
         if cached is None or cached[0] is not recipe or cached[1] != limit:
-            cached = (recipe, limit, backends.linear_config(recipe, limit))
+            cached = (recipe, limit, backends.linear_config(recipe, limit, self._kernel_layout))
             self._fp8_backend_config[0] = cached
         return cached[2]
 

@@ -34,6 +34,7 @@
 | a misspelled or misplaced key in a policy name (`histroy_len`) | ValueError listing the valid keys |
 | a training step in the compute dtype (below `min_gemm_size`, an empty batch) between FP8 steps, through a Keras optimizer | the last FP8 step's gradient amax is recorded (JAX's optimizer would overwrite the pending value: the compute-dtype call folds it) |
 | an empty local batch on one process of a Keras FP8 model under torch DDP (gloo, two processes) | its layers take part in every amax reduction (zero): no hang, no abort; the state equal on both processes and to one process's on the rows kept (`test_keras_torch_ddp.py`, "empty_batch") |
+| a tied `FP8ReversibleEmbedding`'s projection | the `(vocabulary, hidden)` embeddings read as stored (`"out_in"`), no transposed copy per call; `FP8Dense`'s bits on their transpose (`test_keras_hub.py`, `test_jax_routes.py`) |
 | `FP8EinsumDense` with a bias, any `bias_axes` (bfloat16, outputs in the thousands) | one rounding after the bias: `FP8Dense`'s bits for the same kernel, bias and state, and the NumPy reference's (`test_fp8_einsum_dense.py`, `FP8EinsumDenseBiasTest`) |
 """
 
