@@ -505,9 +505,14 @@ def block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_tiles=Fal
     return ops.cast(out, out_dtype)
 
 
-def block_forward(x, kernel, recipe, bias=None, matmul=block_matmul):
+def block_forward(x, kernel, recipe, bias=None, matmul=block_matmul, kernel_out_in=False):
     """The block-scaled forward: x in 1 x 128 tiles, the kernel in 128 x 128
     blocks; also x's 128 x 1 tiles, for the kernel's gradient.
+
+    Args:
+        kernel: `(K, N)`, or `(N, K)` with `kernel_out_in`: quantized as
+            stored (a block's elements, so its scale, are the same either
+            way) and read transposed.
 
     Returns:
         `(y, residuals)` for `block_backward`.
@@ -515,15 +520,20 @@ def block_forward(x, kernel, recipe, bias=None, matmul=block_matmul):
     fmt, margin, pow2 = recipe.forward_format, recipe.margin, recipe.power_of_two
     x_q, x_s = quantize_tiles(x, fmt, 1, margin, pow2)
     k_q, k_s = quantize_blocks(kernel, fmt, margin, pow2)
-    y = matmul(x_q, x_s, k_q, k_s, x.dtype, bias)
+    if kernel_out_in:
+        y = matmul(x_q, x_s, ops.transpose(k_q), ops.transpose(k_s), x.dtype, bias)
+    else:
+        y = matmul(x_q, x_s, k_q, k_s, x.dtype, bias)
     x_qc, x_sc = quantize_tiles(x, fmt, 0, margin, pow2)
     return y, (x_qc, x_sc, k_q, k_s)
 
 
-def block_backward(grad, residuals, emit_token, recipe, x_dtype, kernel_dtype, matmul=block_matmul):
+def block_backward(grad, residuals, emit_token, recipe, x_dtype, kernel_dtype, matmul=block_matmul,
+                   kernel_out_in=False):
     """The block-scaled backward: the output gradient in 1 x 128 tiles along
     N for dX (against the kernel's blocks, transposed) and in 128 x 1 tiles
-    along M for dW (against x's).
+    along M for dW (against x's); with `kernel_out_in` (an `(N, K)` kernel)
+    dX is `g @ W` and dW is returned `(N, K)`, as the kernel.
 
     Returns:
         `(dx, dkernel, dpending)`, as `fp8_backward`.
@@ -531,9 +541,17 @@ def block_backward(grad, residuals, emit_token, recipe, x_dtype, kernel_dtype, m
     x_qc, x_sc, k_q, k_s = residuals
     fmt, margin, pow2 = recipe.backward_format, recipe.margin, recipe.power_of_two
     g_q, g_s = quantize_tiles(grad, fmt, 1, margin, pow2)
-    dx = matmul(g_q, g_s, ops.transpose(k_q), ops.transpose(k_s), x_dtype)
+    if kernel_out_in:
+        dx = matmul(g_q, g_s, k_q, k_s, x_dtype)
+    else:
+        dx = matmul(g_q, g_s, ops.transpose(k_q), ops.transpose(k_s), x_dtype)
     g_qc, g_sc = quantize_tiles(grad, fmt, 0, margin, pow2)
     dkernel = matmul(ops.transpose(x_qc), ops.transpose(x_sc), g_qc, g_sc, kernel_dtype, b_tiles=True)
+    if kernel_out_in:
+        # `(x^T @ g)^T`, not `g^T @ x`: each stretch's product is multiplied
+        # by x's tile scale, then the gradient's, in one order for both
+        # layouts (the other order can round the other way).
+        dkernel = ops.transpose(dkernel)
     amax = compute_amax(grad)
     return dx, dkernel, pending_cotangent(amax, emit_token)
 

@@ -2,9 +2,12 @@
 
 Each backend module provides:
 
-    fp8_matmul(layer, x, kernel, bias, config, training) -> y
+    fp8_matmul(layer, x, kernel, bias, config, training, kernel_layout) -> y
         `y = x @ kernel (+ bias)` for `x` of shape `(M, K)` and `kernel` of
-        shape `(K, N)`, both quantized to the recipe's forward format, with a
+        shape `(K, N)` (`kernel_layout="in_out"`) or `y = x @ kernel^T (+
+        bias)` for a kernel stored `(N, K)` (`"out_in"`: read as stored, no
+        transposed copy; its gradient `(N, K)` too), both quantized to the
+        recipe's forward format, with a
         backward pass that quantizes the output gradient once (the backward
         format) for both gradient matmuls. It reads and (when training)
         updates the layer's FP8 state variables (public attributes of the
@@ -15,12 +18,18 @@ Each backend module provides:
     default_min_gemm_size(x) -> int
         The `min_gemm_size` a layer without one of its own uses for `x`.
 
-and may provide `linear_config(recipe, min_gemm_size)` (the backend's form
-of a recipe for one layer's matmuls, made once per layer and recipe: torch, a
-`torch_ops.LinearConfig`; without it `fp8_matmul` gets the recipe itself),
+and may provide `linear_config(recipe, min_gemm_size, kernel_layout)` (the
+backend's form of a recipe for one layer's matmuls, made once per layer and
+recipe: torch, a `torch_ops.LinearConfig`; without it `fp8_matmul` gets the
+recipe itself),
 `prepare_device(tensor)` (settle, in eager code, where FP8 matmuls on
-`tensor`'s device run) and `mark_amax_channel(variable)` (tell the backend's
-data-parallel tooling that this variable's gradient is an amax).
+`tensor`'s device run), `mark_amax_channel(variable)` (tell the backend's
+data-parallel tooling that this variable's gradient is an amax) and
+`fold_pending_grad_amax(layer, recipe)` (what a training call of an FP8
+layer that runs in the compute dtype does to keep the pending gradient
+amax: JAX, whose optimizers overwrite it with a zero gradient, folds it)
+and `reduces_amaxes()` (whether training calls reduce amaxes over
+processes now, so that an empty one must still take part).
 
 `jax` runs FP8 `dot_general` through XLA on FP8-capable GPUs and the exact
 emulation elsewhere; `torch` runs `torch_ops` (the compiled kernels on the
@@ -74,14 +83,15 @@ def prepare_device(tensor):
         prepare(tensor)
 
 
-def linear_config(recipe, min_gemm_size):
+def linear_config(recipe, min_gemm_size, kernel_layout="in_out"):
     """The current backend's form of `recipe` for one layer's FP8 matmuls
     (what the layer passes to `fp8_matmul` as `config`): torch, a
     `torch_ops.LinearConfig` carrying `min_gemm_size` (the limit the layer
-    resolved; None where the call's size is not known); elsewhere the recipe
+    resolved; None where the call's size is not known) and the layer's
+    `kernel_layout` (`"in_out"` or `"out_in"`); elsewhere the recipe
     itself."""
     make = getattr(get(), "linear_config", None)
-    return recipe if make is None else make(recipe, min_gemm_size)
+    return recipe if make is None else make(recipe, min_gemm_size, kernel_layout)
 
 
 def mark_amax_channel(variable):
@@ -94,3 +104,12 @@ def mark_amax_channel(variable):
     mark = getattr(get(), "mark_amax_channel", None)
     if mark is not None:
         mark(variable)
+
+
+def reduces_amaxes():
+    """Whether the current backend's FP8 training calls reduce their amaxes
+    over processes now (torch: `torch_ops.distributed.reduction_group()`
+    under `torch.distributed`), so that a call with an empty input must
+    still take part. False elsewhere."""
+    reduces = getattr(get(), "reduces_amaxes", None)
+    return reduces is not None and reduces()

@@ -47,6 +47,11 @@ FUSED = "fused"
 XLA = "xla"
 EMULATION = "emulation"
 
+# How a layer stores its kernel: `(K, N)` (Keras's Dense) or `(N, K)` (a
+# tied embedding's projection, which reads the embedding matrix as stored).
+IN_OUT = "in_out"
+OUT_IN = "out_in"
+
 
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_supported():
@@ -140,7 +145,12 @@ def _custom_calls_allowed():
 _CUSTOM_CALL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def _custom_calls_apply(x, kernel, recipe):
+def _output_dim(kernel, kernel_layout):
+    """N of a kernel stored `(K, N)` (`"in_out"`) or `(N, K)` (`"out_in"`)."""
+    return kernel.shape[1] if kernel_layout == IN_OUT else kernel.shape[0]
+
+
+def _custom_calls_apply(x, kernel, recipe, kernel_layout=None):
     """Whether a call takes the `FUSED` route: the custom calls allowed
     (`_custom_calls_allowed`) and available, a per-tensor recipe without
     E5M2 x E5M2 products, M, K and N positive multiples of 16 (each is the
@@ -151,7 +161,7 @@ def _custom_calls_apply(x, kernel, recipe):
     if isinstance(recipe, recipes.BlockScaling) or recipes.E5M2 == recipe.forward_format:
         return False
     m, k = x.shape
-    n = kernel.shape[1]
+    n = _output_dim(kernel, kernel_layout or IN_OUT)
     if not all(isinstance(v, int) and v > 0 and v % 16 == 0 for v in (m, k, n)) or is_small_dot(m, k, n):
         return False
     if jnp.dtype(x.dtype) not in _CUSTOM_CALL_DTYPES or jnp.dtype(kernel.dtype) not in _CUSTOM_CALL_DTYPES:
@@ -159,24 +169,25 @@ def _custom_calls_apply(x, kernel, recipe):
     return jax_gemm.available() and jax_gemm.quantize_available()
 
 
-def route(x, kernel, recipe):
+def route(x, kernel, recipe, kernel_layout=None):
     """The route of one FP8 layer call's three products (see the module
     docstring), for `x @ kernel` under `recipe`.
 
     Args:
         x: The `(M, K)` input.
-        kernel: The `(K, N)` kernel.
+        kernel: The `(K, N)` kernel, or `(N, K)` for `kernel_layout="out_in"`.
         recipe: The call's recipe.
+        kernel_layout: `"in_out"` (None: the same) or `"out_in"`.
 
     Returns:
         `FUSED`, `XLA` or `EMULATION`.
     """
     if not fp8_gemm_supported():
         return EMULATION
-    if _custom_calls_apply(x, kernel, recipe):
+    if _custom_calls_apply(x, kernel, recipe, kernel_layout):
         return FUSED
     m, k = x.shape
-    if _has_small_dot(m, k, kernel.shape[1], isinstance(recipe, recipes.BlockScaling)):
+    if _has_small_dot(m, k, _output_dim(kernel, kernel_layout or IN_OUT), isinstance(recipe, recipes.BlockScaling)):
         return EMULATION
     return XLA
 
@@ -300,48 +311,59 @@ def _protos(x, kernel, bias):
 
 # --------------------------------------------------------------------------- per-tensor scaling
 def _per_tensor_forward(route_name, x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history, recipe,
-                        has_bias):
+                        has_bias, out_in):
     fmt = recipe.forward_format
     x_op = _quantize(route_name, x, x_scale, x_history, fmt, recipe)
+    # An `(N, K)` kernel is quantized as stored (the same elements, so the
+    # same amax and bytes) and read transposed: on the FUSED route the
+    # quantize wrote that layout too; elsewhere its FP8 bytes are transposed.
     kernel_op = _quantize(route_name, kernel, kernel_scale, kernel_history, fmt, recipe)
-    y = _product(route_name, x_op, kernel_op, x.dtype, bias if has_bias else None)
+    y = _product(route_name, x_op, _transposed(route_name, kernel_op) if out_in else kernel_op, x.dtype,
+                 bias if has_bias else None)
     return (y, x_op.amax, kernel_op.amax, x_op.scale, kernel_op.scale), (x_op, kernel_op)
 
 
 # A per-tensor-scaled layer product by one route: `numerics`' quantize and
 # scale rules, `docs/numerics.md`'s three GEMMs. `bias` is a `(N,)` tensor
-# where `has_bias`, else an unused placeholder. Returns `(y, x_amax,
-# kernel_amax, x_scale_used, kernel_scale_used)`; the caller records the
-# amaxes (`_record_scale`).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13))
+# where `has_bias`, else an unused placeholder; the kernel is `(K, N)`, or
+# `(N, K)` where `out_in` (its gradient then `(N, K)` too). Returns `(y,
+# x_amax, kernel_amax, x_scale_used, kernel_scale_used)`; the caller records
+# the amaxes (`_record_scale`).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13, 14))
 def _per_tensor_product(x, kernel, bias, pending, x_scale, x_history, kernel_scale, kernel_history, grad_scale,
-                        grad_history, emit_token, route_name, recipe, has_bias):
+                        grad_history, emit_token, route_name, recipe, has_bias, out_in):
     outputs, _ = _per_tensor_forward(route_name, x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history,
-                                     recipe, has_bias)
+                                     recipe, has_bias, out_in)
     return outputs
 
 
 def _per_tensor_product_fwd(x, kernel, bias, pending, x_scale, x_history, kernel_scale, kernel_history, grad_scale,
-                            grad_history, emit_token, route_name, recipe, has_bias):
+                            grad_history, emit_token, route_name, recipe, has_bias, out_in):
     outputs, (x_op, kernel_op) = _per_tensor_forward(route_name, x, kernel, bias, x_scale, x_history, kernel_scale,
-                                                     kernel_history, recipe, has_bias)
+                                                     kernel_history, recipe, has_bias, out_in)
     # On the FUSED route the backward's GEMMs read x's transposed layout
-    # (dkernel) and the kernel's own (dx): only those are kept. Elsewhere
-    # the backward transposes the saved operands.
+    # (dkernel) and, for dx, a `(K, N)` kernel's own layout or an `(N, K)`
+    # one's transpose: only those are kept. Elsewhere the backward
+    # transposes the saved operands.
     if route_name == FUSED:
-        x_op, kernel_op = x_op._replace(q=None), kernel_op._replace(q_t=None)
+        x_op = x_op._replace(q=None)
+        kernel_op = kernel_op._replace(q=None) if out_in else kernel_op._replace(q_t=None)
     saved = (x_op._replace(amax=None), kernel_op._replace(amax=None))
     state = (x_scale, x_history, kernel_scale, kernel_history, grad_scale, grad_history, emit_token)
     return outputs, (saved, state, _protos(x, kernel, bias))
 
 
-def _per_tensor_product_bwd(route_name, recipe, has_bias, residuals, cotangents):
+def _per_tensor_product_bwd(route_name, recipe, has_bias, out_in, residuals, cotangents):
     grad = _as_stored(cotangents[0])
     (x_op, kernel_op), state, (x_proto, kernel_proto, bias_proto) = residuals
     grad_scale, grad_history, emit_token = state[4:]
     grad_op = _quantize(route_name, grad, grad_scale, grad_history, recipe.backward_format, recipe, gradient=True)
-    dx = _product(route_name, grad_op, _transposed(route_name, kernel_op), x_proto.dtype, backward=True)
-    dkernel = _product(route_name, _transposed(route_name, x_op), grad_op, kernel_proto.dtype, backward=True)
+    if out_in:  # dx = g @ W, dW = g^T @ x: `(N, K)` as the kernel
+        dx = _product(route_name, grad_op, kernel_op, x_proto.dtype, backward=True)
+        dkernel = _product(route_name, _transposed(route_name, grad_op), x_op, kernel_proto.dtype, backward=True)
+    else:
+        dx = _product(route_name, grad_op, _transposed(route_name, kernel_op), x_proto.dtype, backward=True)
+        dkernel = _product(route_name, _transposed(route_name, x_op), grad_op, kernel_proto.dtype, backward=True)
     dpending = numerics.pending_cotangent(grad_op.amax, emit_token)
     return (dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending) + tuple(jnp.zeros_like(v) for v in state)
 
@@ -364,23 +386,24 @@ def _record_scale(layer, role, amax, fmt, recipe):
 # A block-scaled layer product by one route (`numerics.block_forward` and
 # `block_backward`): no input or kernel state; the gradient channel still
 # carries the output gradient's amax.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _block_product(x, kernel, bias, pending, emit_token, route_name, recipe, has_bias):
-    y, _ = numerics.block_forward(x, kernel, recipe, bias if has_bias else None, matmul=_block_matmul(route_name))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _block_product(x, kernel, bias, pending, emit_token, route_name, recipe, has_bias, out_in):
+    y, _ = numerics.block_forward(x, kernel, recipe, bias if has_bias else None, matmul=_block_matmul(route_name),
+                                  kernel_out_in=out_in)
     return y
 
 
-def _block_product_fwd(x, kernel, bias, pending, emit_token, route_name, recipe, has_bias):
+def _block_product_fwd(x, kernel, bias, pending, emit_token, route_name, recipe, has_bias, out_in):
     y, residuals = numerics.block_forward(x, kernel, recipe, bias if has_bias else None,
-                                          matmul=_block_matmul(route_name))
+                                          matmul=_block_matmul(route_name), kernel_out_in=out_in)
     return y, (residuals, emit_token, _protos(x, kernel, bias))
 
 
-def _block_product_bwd(route_name, recipe, has_bias, saved, grad):
+def _block_product_bwd(route_name, recipe, has_bias, out_in, saved, grad):
     grad = _as_stored(grad)
     residuals, emit_token, (x_proto, kernel_proto, bias_proto) = saved
     dx, dkernel, _ = numerics.block_backward(grad, residuals, emit_token, recipe, x_proto.dtype, kernel_proto.dtype,
-                                             matmul=_block_matmul(route_name))
+                                             matmul=_block_matmul(route_name), kernel_out_in=out_in)
     dpending = numerics.pending_cotangent(_amax(grad), emit_token)
     return dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending, jnp.zeros_like(emit_token)
 
@@ -408,21 +431,31 @@ def _fold_grad_state(layer, recipe, training):
     return grad_history, grad_scale, emit_token
 
 
-def fp8_matmul(layer, x, kernel, bias, recipe, training):
+def fold_pending_grad_amax(layer, recipe):
+    """See `keras_fp8.backends`: a training call of an FP8 layer that runs
+    in the compute dtype folds the pending gradient amax, as a training
+    FP8 call does. Keras's JAX optimizer overwrites `grad_amax_pending` with
+    every step's gradient, zero where no FP8 backward ran: an amax still
+    pending would be lost."""
+    _fold_grad_state(layer, recipe, True)
+
+
+def fp8_matmul(layer, x, kernel, bias, recipe, training, kernel_layout=IN_OUT):
     """See `keras_fp8.backends`."""
     x = _as_stored(x)
-    route_name = route(x, kernel, recipe)
+    out_in = kernel_layout == OUT_IN
+    route_name = route(x, kernel, recipe, kernel_layout)
     grad_history, grad_scale, emit_token = _fold_grad_state(layer, recipe, training)
     has_bias = bias is not None
     bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
     pending = compat.raw_value(layer.grad_amax_pending)
     emit_token = ops.stop_gradient(emit_token)
     if isinstance(recipe, recipes.BlockScaling):
-        return _block_product(x, kernel, bias_value, pending, emit_token, route_name, recipe, has_bias)
+        return _block_product(x, kernel, bias_value, pending, emit_token, route_name, recipe, has_bias, out_in)
     y, x_amax, kernel_amax, _, _ = _per_tensor_product(
         x, kernel, bias_value, pending, layer.input_scale.value, layer.input_amax_history.value,
         layer.kernel_scale.value, layer.kernel_amax_history.value, ops.stop_gradient(grad_scale),
-        ops.stop_gradient(grad_history), emit_token, route_name, recipe, has_bias)
+        ops.stop_gradient(grad_history), emit_token, route_name, recipe, has_bias, out_in)
     if training:
         for role, amax in (("input", x_amax), ("kernel", kernel_amax)):
             _record_scale(layer, role, amax, recipe.forward_format, recipe)

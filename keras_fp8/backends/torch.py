@@ -38,14 +38,22 @@ def mark_amax_channel(variable):
         torch_ops.distributed.mark_amax_channel(value)
 
 
+def reduces_amaxes():
+    """See `keras_fp8.backends`: whether an amax reduction group of more
+    than one process is in effect (`torch_ops.distributed`); torch_ops then
+    runs an empty training call through the reductions, contributing zero."""
+    return torch_ops.distributed.reduction_group() is not None
+
+
 def default_min_gemm_size(x):
     """See `keras_fp8.backends`: torch_ops's setting for `x`'s device."""
     return torch_ops.get_settings().resolved_min_gemm_size(_kernels_for(x) is not None)
 
 
-def linear_config(recipe, min_gemm_size):
+def linear_config(recipe, min_gemm_size, kernel_layout="in_out"):
     """See `keras_fp8.backends`: the `torch_ops.LinearConfig` of a Keras
-    layer's matmul under `recipe` (a Keras kernel is `(K, N)`: "in_out";
+    layer's matmul under `recipe` (a Keras kernel is `(K, N)`: "in_out"; a
+    tied embedding's projection reads the `(N, K)` embeddings: "out_in";
     the gradient channel's fold reduces the recipe's history length)."""
     return torch_ops.LinearConfig(
         fp8_format=recipe.fp8_format,
@@ -54,7 +62,7 @@ def linear_config(recipe, min_gemm_size):
         amax_compute_algo=getattr(recipe, "amax_compute_algo", "max"),
         fold_window=getattr(recipe, "history_len", None),
         power_of_two=getattr(recipe, "power_of_two", False),
-        weight_layout="in_out",
+        weight_layout=kernel_layout,
         min_gemm_size=min_gemm_size,
     )
 
@@ -70,10 +78,13 @@ def _variable_reader():
     return compat.raw_value if compat.in_stateless_scope() else compat.stored_value
 
 
-def fp8_matmul(layer, x, kernel, bias, config, training):
+def fp8_matmul(layer, x, kernel, bias, config, training, kernel_layout="in_out"):
     """See `keras_fp8.backends`: `torch_ops.fp8_linear` on the layer's FP8
     state variables (the gradient channel included), whose bias is added in
-    x's dtype (fused into the GEMM)."""
+    x's dtype (fused into the GEMM). `bias` is the layer's bias variable or
+    a tensor made from it (`FP8EinsumDense`'s bias as the GEMM's columns).
+    The kernel's layout is `config`'s (`linear_config`, made with the
+    layer's `kernel_layout`)."""
     value = _variable_reader()
     state = torch_ops.FP8LinearState(
         value(layer.input_scale),
@@ -85,4 +96,6 @@ def fp8_matmul(layer, x, kernel, bias, config, training):
         grad_amax_pending=value(layer.grad_amax_pending),
         grad_fold_state=value(layer.grad_fold_state),
     )
-    return torch_ops.fp8_linear(x, kernel, None if bias is None else value(bias), state, config, bool(training))
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        bias = value(bias)
+    return torch_ops.fp8_linear(x, kernel, bias, state, config, bool(training))

@@ -71,7 +71,7 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
         return m, self._kernel.shape[0], self.units
 
     def call(self, inputs, training=None):
-        config = self._fp8_call_config(inputs)
+        config = self._fp8_call_config(inputs, bool(training))
         if config is None:
             return super().call(inputs, training=training)
         # Rank 2 skips two reshapes (Keras ops cost host time per call).

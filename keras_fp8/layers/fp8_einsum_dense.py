@@ -50,6 +50,9 @@ class MatmulPlan:
                 "contracted, and every other axis must appear in the output "
                 f"exactly once. Received: equation={equation!r}"
             )
+        self.output_axes = output
+        self.kernel_axes = kernel_axes
+        self.free_kernel = free_kernel
         self.x_perm = [x_axes.index(a) for a in free_x + contracted]
         self.kernel_perm = [kernel_axes.index(a) for a in contracted + free_kernel]
         self.n_free_x = len(free_x)
@@ -60,6 +63,39 @@ class MatmulPlan:
         self._x_t = self._unless_identity(self.x_perm)
         self._kernel_t = self._unless_identity(self.kernel_perm)
         self._output_t = self._unless_identity(self.output_perm)
+
+    def bias_columns(self, bias_shape, kernel_shape):
+        """How the layer's bias becomes the GEMM's `(N,)` bias, if it can.
+
+        Keras's bias spans the last `len(bias_shape)` axes of the output,
+        with size 1 on the axes it does not cover. It maps onto the GEMM's
+        N columns where it is constant along every input axis of the output
+        (size 1 there) and covers every output axis of the kernel (no
+        broadcast along N): then it is a reshape (and transpose) of one
+        value per column, added in the GEMM's epilogue.
+
+        Args:
+            bias_shape: The bias variable's shape.
+            kernel_shape: The kernel variable's shape.
+
+        Returns:
+            `(kept_shape, perm)`: reshape the bias to `kept_shape` (its axes
+            that are output axes of the kernel), transpose by `perm` (None:
+            the identity) and flatten to `(N,)`; or None where the bias
+            cannot map onto N.
+        """
+        letters = self.output_axes[len(self.output_axes) - len(bias_shape):]
+        sizes = dict(zip(letters, bias_shape))
+        for letter, size in sizes.items():
+            if letter not in self.free_kernel and size != 1:
+                return None  # varies along M
+        kept = [c for c in letters if c in self.free_kernel]
+        for c in self.free_kernel:
+            if kernel_shape[self.kernel_axes.index(c)] != 1 and sizes.get(c, 1) == 1:
+                return None  # broadcast along part of N
+        order = sorted(range(len(kept)), key=lambda i: self.free_kernel.index(kept[i]))
+        perm = self._unless_identity(order)
+        return tuple(sizes[c] for c in kept), None if perm is None else tuple(perm)
 
     @staticmethod
     def _transpose(t, perm):
@@ -105,8 +141,10 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
     scope, the input and the kernel are quantized to FP8 and contracted by
     one FP8 matmul (the operands are transposed/reshaped to `(M, K)` and
     `(K, N)`); the output gradient is quantized once for both backward
-    matmuls. Otherwise the layer computes exactly what `EinsumDense` does.
-    The FP8 state variables are those of `FP8Dense`.
+    matmuls. The bias is added in float32 before the one rounding to the
+    compute dtype, as in `FP8Dense` (docs/numerics.md, "GEMMs"). Otherwise
+    the layer computes exactly what `EinsumDense` does. The FP8 state
+    variables are those of `FP8Dense`.
 
     Equations whose contraction is not a single matmul (an axis shared by the
     input, the kernel and the output, i.e. a batched matmul) are rejected in
@@ -140,13 +178,25 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
     def build(self, input_shape):
         self._plan = MatmulPlan(self.equation, len(input_shape))
         super().build(input_shape)
+        self._plan_bias()
         self.build_fp8_state()
 
     def build_fp8_state(self):
         if "_plan" not in vars(self):  # a built EinsumDense that keras_fp8.convert made FP8
             shape = compat.build_input_shape(self)
             self._plan = MatmulPlan(self.equation, None if shape is None else len(shape))
+            self._plan_bias()
         super().build_fp8_state()
+
+    def _plan_bias(self):
+        """Decides, once the kernel and bias exist, how the bias enters the
+        FP8 GEMM (`_bias_columns`, `MatmulPlan.bias_columns`; None: no bias,
+        or one that cannot map onto N)."""
+        columns = None
+        if self.bias is not None:
+            columns = self._plan.bias_columns(tuple(self.bias.shape), tuple(self._kernel.shape))
+        # The instance dict: Keras's attribute tracking is not needed.
+        self.__dict__["_bias_columns"] = columns
 
     def _gemm_dims(self, input_shape):
         plan = self._plan
@@ -159,16 +209,51 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         return m, k, math.prod(kernel_shape[plan.n_contracted :])
 
     def call(self, inputs, training=None):
-        config = self._fp8_call_config(inputs)
+        config = self._fp8_call_config(inputs, bool(training))
         if config is None:
             return super().call(inputs, training=training)
-
-        def matmul(x2d, kernel2d):
-            return self._fp8_matmul(x2d, kernel2d, config, bool(training))
-
-        y = self._plan.call(matmul, inputs, self._raw_value(self._kernel))
-        if self.bias is not None:
-            y = ops.add(y, self.bias)
+        y = self._fp8_einsum(inputs, config, bool(training))
         if self.activation is not None:
             y = self.activation(y)
         return y
+
+    def _gemm_bias(self):
+        """The bias as the GEMM's `(N,)` bias (`MatmulPlan.bias_columns`):
+        the variable itself where it is one already."""
+        kept_shape, perm = self._bias_columns
+        if perm is None and len(kept_shape) == 1 and tuple(self.bias.shape) == kept_shape:
+            return self.bias
+        bias = ops.reshape(self._raw_value(self.bias), kept_shape)
+        if perm is not None:
+            bias = ops.transpose(bias, perm)
+        return ops.reshape(bias, (-1,))
+
+    def _fp8_einsum(self, inputs, config, training):
+        """The einsum and its bias with one rounding to the compute dtype
+        (docs/numerics.md, "GEMMs"), as `FP8Dense`.
+
+        A bias that maps onto the GEMM's N columns is added in the GEMM's
+        epilogue. Any other (one that varies along an input axis of the
+        output, or is broadcast along an output axis of the kernel) is added
+        to the GEMM's float32 output, which is then rounded once: the GEMM
+        runs on the input widened to float32 (the same values, so the same
+        quantization) and writes float32.
+        """
+        kernel = self._raw_value(self._kernel)
+        if self.bias is None or self._bias_columns is not None:
+            bias = None if self.bias is None else self._gemm_bias()
+
+            def matmul(x2d, kernel2d):
+                return self._fp8_matmul(x2d, kernel2d, config, training, bias=bias)
+
+            return self._plan.call(matmul, inputs, kernel)
+        dtype = keras.backend.standardize_dtype(inputs.dtype)
+
+        def matmul_float32(x2d, kernel2d):
+            return self._fp8_matmul(ops.cast(x2d, "float32"), kernel2d, config, training)
+
+        y = self._plan.call(matmul_float32, inputs, kernel)
+        # The bias in the compute dtype, added in float32 (as the epilogue
+        # adds it), so that its gradient rounds once to the compute dtype.
+        bias = ops.cast(ops.cast(self._raw_value(self.bias), dtype), "float32")
+        return ops.cast(ops.add(y, bias), dtype)

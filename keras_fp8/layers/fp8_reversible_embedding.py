@@ -23,8 +23,9 @@ class FP8ReversibleEmbedding(FP8StateMixin, keras.layers.ReversibleEmbedding):
     size and `N` the vocabulary; under an FP8 dtype policy or inside an
     enabled `keras_fp8.autocast` scope it runs as `FP8Dense`'s matmul does,
     on the untied `reverse_embeddings` or, with tied weights, on the
-    transposed `embeddings` (one variable, its gradient summed over the
-    lookup and the projection, as in Keras).
+    `(N, K)` `embeddings` as stored (read transposed by the FP8 GEMMs, no
+    transposed copy; one variable, its gradient summed over the lookup and
+    the projection, as in Keras).
 
     Keras's own layer computes the projection in float32 (its variables do
     not autocast, so a bfloat16 input meets a float32 kernel) and returns
@@ -79,11 +80,17 @@ class FP8ReversibleEmbedding(FP8StateMixin, keras.layers.ReversibleEmbedding):
         # transposed); what `keras_fp8.summary` and the monitor show.
         return self._embeddings if self.tie_weights else self.reverse_embeddings
 
+    @property
+    def _kernel_layout(self):
+        # Tied: the FP8 matmul reads the `(input_dim, output_dim)`
+        # embeddings, `(N, K)`, as they are stored (`_fp8_matmul`).
+        return "out_in" if self.tie_weights else "in_out"
+
     def _projection_kernel(self):
-        """The `(K, N)` kernel of the projection, float32 (not autocast)."""
-        if self.tie_weights:
-            return ops.transpose(self._raw_value(self._embeddings))
-        return self._raw_value(self.reverse_embeddings)
+        """The kernel of the projection, float32 (not autocast), as stored:
+        the untied `(K, N)` `reverse_embeddings`, or the tied `(N, K)`
+        `embeddings` (`_kernel_layout` "out_in")."""
+        return self._raw_value(self._kernel)
 
     def _gemm_dims(self, input_shape):
         lead = input_shape[:-1]
@@ -100,16 +107,16 @@ class FP8ReversibleEmbedding(FP8StateMixin, keras.layers.ReversibleEmbedding):
                 f"inputs: expected a last dimension of {self.output_dim} (the "
                 f"layer's output_dim) for reverse=True, got shape {tuple(inputs.shape)}"
             )
-        config = self._fp8_call_config(inputs)
+        if training is None:
+            # A layer that became FP8 by a policy keeps the call signature
+            # Keras read from `ReversibleEmbedding` (no `training`), so its
+            # parents do not pass it: the call context holds it.
+            context = compat.current_call_context()
+            training = None if context is None else context.get_value("training")
+        config = self._fp8_call_config(inputs, bool(training))
         if config is None:
             logits = self._compute_dtype_projection(inputs)
         else:
-            if training is None:
-                # A layer that became FP8 by a policy keeps the call signature
-                # Keras read from `ReversibleEmbedding` (no `training`), so its
-                # parents do not pass it: the call context holds it.
-                context = compat.current_call_context()
-                training = None if context is None else context.get_value("training")
             x = ops.reshape(inputs, (-1, self.output_dim))
             logits = self._fp8_matmul(x, self._projection_kernel(), config, bool(training))
             logits = ops.reshape(logits, tuple(ops.shape(inputs)[:-1]) + (self.input_dim,))
@@ -126,6 +133,8 @@ class FP8ReversibleEmbedding(FP8StateMixin, keras.layers.ReversibleEmbedding):
             # As Keras's layer (its matmul on a non-float input).
             dtype = "float32"
         kernel = ops.cast(self._projection_kernel(), dtype)
+        if self.tie_weights:
+            kernel = ops.transpose(kernel)
         return ops.matmul(ops.cast(inputs, dtype), kernel)
 
     # Saving: the embedding (and the untied reverse embedding) as Keras saves

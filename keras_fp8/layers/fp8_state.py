@@ -364,12 +364,17 @@ class FP8StateMixin:
         """The variable's value in its own dtype (no mixed-precision cast)."""
         return compat.raw_value(variable)
 
+    # How `_fp8_matmul`'s kernel is stored: `(K, N)` ("in_out", Keras's
+    # Dense) or `(N, K)` ("out_in", a tied embedding matrix, read as stored).
+    _kernel_layout = "in_out"
+
     def _fp8_matmul(self, x, kernel, config, training, bias=None):
         """`x @ kernel (+ bias)` with FP8 operands; updates the state if training.
 
         Args:
             x: `(M, K)` tensor in the compute dtype.
-            kernel: `(K, N)` float32 kernel (the variable's own value).
+            kernel: `(K, N)` float32 kernel (the variable's own value), or
+                `(N, K)` where the layer's `_kernel_layout` is "out_in".
             config: The call's backend config (`_fp8_call_config`).
             training: Whether to record amaxes and fold the gradient amax.
             bias: Optional `(N,)` bias variable, added to the output (fused
@@ -379,7 +384,7 @@ class FP8StateMixin:
             `(M, N)` tensor in `x`'s dtype.
         """
         with _state_lock(self, training):
-            y = backends.get().fp8_matmul(self, x, kernel, bias, config, bool(training))
+            y = backends.get().fp8_matmul(self, x, kernel, bias, config, bool(training), self._kernel_layout)
         observer = self._gemm_observer
         return y if observer is None else observer(self, x, y)
 
@@ -411,7 +416,7 @@ class FP8StateMixin:
         # Into the instance dict: Keras's attribute tracking is not needed.
         self.__dict__["_gemm_observer"] = observer
 
-    def _fp8_call_config(self, inputs):
+    def _fp8_call_config(self, inputs, training=False):
         """The backend config of this call's FP8 matmul (None: run as the
         base layer).
 
@@ -419,23 +424,53 @@ class FP8StateMixin:
         an empty matmul, below `min_gemm_size` (`_resolved_min_gemm_size`),
         and where FP8 cannot take it (LoRA enabled, inputs that are not
         floating point: with a one-time warning naming the layer); its FP8
-        state does not advance. The config is made once per recipe and
-        limit (`backends.linear_config`) and kept on the layer.
+        state does not advance, but a training call keeps the pending
+        gradient amax of the last FP8 step (`_keep_pending_grad_amax`).
+        The config is made once per recipe and limit
+        (`backends.linear_config`) and kept on the layer.
         """
         # One lookup of the policy per call (a DTypePolicyMap matches paths).
         policy = policy_lib.layer_policy(self)
         recipe = self._fp8_recipe(policy)
         if recipe is None:
             return None
+        config = self._fp8_config_for(inputs, recipe, policy, training)
+        if config is None and training:
+            self._keep_pending_grad_amax(recipe)
+        return config
+
+    def _keep_pending_grad_amax(self, recipe):
+        """A training call in the compute dtype while FP8 is on: the last
+        FP8 step's output-gradient amax, still pending in
+        `grad_amax_pending`, must survive this step's optimizer. Keras's
+        torch optimizer gets no gradient for the variable and leaves it for
+        the next FP8 call to fold; Keras's JAX optimizer overwrites it with
+        this step's gradient (zero), so there the backend folds it now
+        (`fold_pending_grad_amax`: the fold the next FP8 call would make;
+        a value already folded is not folded again)."""
+        fold = getattr(backends.get(), "fold_pending_grad_amax", None)
+        if fold is not None:
+            with _state_lock(self, True):
+                fold(self, recipe)
+
+    def _fp8_config_for(self, inputs, recipe, policy, training):
+        """`_fp8_call_config` once FP8 is on for the layer (`recipe`).
+
+        An empty training call takes the FP8 path where the backend reduces
+        amaxes over processes now (`backends.reduces_amaxes`: torch under
+        `torch.distributed`): the other processes' calls wait for its part
+        in each reduction (zero), and a collective left out would pair
+        their next ones wrongly.
+        """
         dims = self._gemm_dims(tuple(inputs.shape))
         self._last_gemm[0] = dims  # for `fp8_execution` (keras_fp8.summary)
         size = recipes.gemm_size(dims)
         limit = None  # a call of unknown size takes the FP8 path (the same output spec)
         if size is not None:
-            if size == 0:
+            if size == 0 and not (training and backends.reduces_amaxes()):
                 return None
             limit = self._resolved_min_gemm_size(inputs, policy)
-            if size < limit:
+            if 0 < size < limit:
                 return None
         if self.lora_enabled:
             warn_runs_without_fp8(self, "LoRA is enabled (FP8 layers do not support LoRA)")
@@ -456,7 +491,7 @@ class FP8StateMixin:
         # (a dict keyed by the recipe, or `__dict__.setdefault`, is not).
         cached = self._fp8_backend_config[0]
         if cached is None or cached[0] is not recipe or cached[1] != limit:
-            cached = (recipe, limit, backends.linear_config(recipe, limit))
+            cached = (recipe, limit, backends.linear_config(recipe, limit, self._kernel_layout))
             self._fp8_backend_config[0] = cached
         return cached[2]
 

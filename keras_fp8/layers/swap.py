@@ -116,7 +116,7 @@ def to_plain(layer):
     for name in ("recipe", "min_gemm_size", "_plan"):
         if name in vars(layer):
             delattr(layer, name)
-    for name in ("_last_gemm", "_fp8_backend_config"):  # set outside Keras's tracking
+    for name in ("_last_gemm", "_fp8_backend_config", "_bias_columns"):  # set outside Keras's tracking
         layer.__dict__.pop(name, None)
     object.__setattr__(layer, "__class__", PLAIN_CLASS[type(layer)])
     compat.refresh_call_signature(layer)

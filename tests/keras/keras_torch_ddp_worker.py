@@ -11,6 +11,12 @@ each take half of the batch, the second half ten times larger. After each
 step every process saves its FP8 state, and process 0 saves the state of one
 model stepping on the whole batch in one process from the same weights
 (copied in before each step). `test_keras_torch_ddp.py` compares them.
+
+The "empty_batch" run trains an `FP8EinsumDense` and an `FP8Dense` whose
+process 1 gets an empty batch at step 1: its layers still take part in
+every amax reduction (contributing zero), so gloo pairs the same
+collectives on both processes; the one-process reference steps on the rows
+kept.
 """
 
 import datetime
@@ -48,11 +54,39 @@ def build(recipe):
     return model, optimizer
 
 
-def batch(step):
+def build_empty_batch_run():
+    """An `FP8EinsumDense` (its bias over the GEMM's columns) and an
+    `FP8Dense` on `(rows, 4, 16)` inputs."""
+    import keras
+
+    import keras_fp8
+    from keras_fp8.layers import FP8Dense
+    from keras_fp8.layers import FP8EinsumDense
+
+    keras.utils.set_random_seed(0)
+    recipe = keras_fp8.DelayedScaling(history_len=2)
+    model = keras.Sequential([
+        keras.Input((4, 16)),
+        FP8EinsumDense("abc,cde->abde", (4, 2, 12), bias_axes="de", activation="gelu", recipe=recipe,
+                       min_gemm_size=0, dtype="fp8_hybrid"),
+        keras.layers.Reshape((4, 24)),
+        FP8Dense(8, recipe=recipe, min_gemm_size=0, dtype="fp8_hybrid"),
+    ])
+    optimizer = keras.optimizers.SGD(0.01)
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+# The run with an empty batch: which process's batch is empty at which step.
+EMPTY_RANK, EMPTY_STEP = 1, 1
+
+
+def batch(step, features=(16,)):
     rng = np.random.default_rng(100 + step)
-    x = rng.standard_normal((WORLD * ROWS, 16)).astype("float32")
+    x = rng.standard_normal((WORLD * ROWS,) + features).astype("float32")
     x[ROWS:] *= 10.0
-    return torch.from_numpy(x), torch.from_numpy(rng.standard_normal((WORLD * ROWS, 8)).astype("float32"))
+    target = rng.standard_normal((WORLD * ROWS,) + features[:-1] + (8,)).astype("float32")
+    return torch.from_numpy(x), torch.from_numpy(target)
 
 
 def train_step(model, call, optimizer, x, target):
@@ -67,39 +101,46 @@ def train_step(model, call, optimizer, x, target):
         optimizer.apply(grads, model.trainable_variables)
 
 
-def fp8_state(model):
-    from keras_fp8.layers import FP8Dense
+def fp8_layers(model):
+    from keras_fp8.layers.fp8_state import FP8StateMixin
 
-    layers = [layer for layer in model.layers if isinstance(layer, FP8Dense)]
+    return [layer for layer in model.layers if isinstance(layer, FP8StateMixin)]
+
+
+def fp8_state(model):
+    layers = fp8_layers(model)
     return {f"{i}/{v.name}": v.value.detach().clone() for i, layer in enumerate(layers)
             for v in layer.fp8_state_variables}
 
 
 def run(rank, recipe):
     import torch_ops
-    from keras_fp8.layers import FP8Dense
 
-    model, optimizer = build(recipe)
+    make = build_empty_batch_run if recipe == "empty_batch" else lambda: build(recipe)
+    features = (4, 16) if recipe == "empty_batch" else (16,)
+    model, optimizer = make()
     ignored = torch_ops.distributed.prepare_ddp(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    reference, reference_optimizer = build(recipe) if rank == 0 else (None, None)
+    reference, reference_optimizer = make() if rank == 0 else (None, None)
     record = {"states": [], "reference": [], "ignored": ignored}
-    rows = slice(rank * ROWS, (rank + 1) * ROWS)
     for step in range(STEPS):
-        x, target = batch(step)
+        x, target = batch(step, features)
+        # The processes whose local batch is empty at this step.
+        empty = {EMPTY_RANK} if recipe == "empty_batch" and step == EMPTY_STEP else set()
         if reference is not None:
+            kept = torch.cat([torch.arange(r * ROWS, (r + 1) * ROWS) for r in range(WORLD) if r not in empty])
             with torch.no_grad():
-                for s, t in zip(model.layers, reference.layers):
-                    if isinstance(s, FP8Dense):
-                        t._kernel.assign(s._kernel.value)
-                        t.bias.assign(s.bias.value)
+                for s, t in zip(fp8_layers(model), fp8_layers(reference)):
+                    t._kernel.assign(s._kernel.value)
+                    t.bias.assign(s.bias.value)
             with torch_ops.distributed.amax_reduction_group(None):
-                train_step(reference, reference, reference_optimizer, x, target)
+                train_step(reference, reference, reference_optimizer, x[kept], target[kept])
             record["reference"].append(fp8_state(reference))
+        rows = slice(rank * ROWS, rank * ROWS if rank in empty else (rank + 1) * ROWS)
         train_step(model, ddp, optimizer, x[rows], target[rows])
         record["states"].append(fp8_state(model))
     if rank == 0:  # evaluation on one process alone: no collective to wait for
-        record["evaluated_alone"] = tuple(model(batch(0)[0][:ROWS], training=False).shape)
+        record["evaluated_alone"] = tuple(model(batch(0, features)[0][:ROWS], training=False).shape)
     return record
 
 
@@ -107,7 +148,7 @@ def main(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
-    results = {recipe: run(rank, recipe) for recipe in ("delayed", "current")}
+    results = {recipe: run(rank, recipe) for recipe in ("delayed", "current", "empty_batch")}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
     os._exit(0)  # past the interpreter's shutdown, which has aborted gloo runs once all was done

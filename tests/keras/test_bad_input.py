@@ -32,6 +32,10 @@
 | `convert(model)` without `policy` | the layers run FP8 under `fp8_hybrid` |
 | a complex64 input | a warning saying the layer runs as `Dense` in complex64 |
 | a misspelled or misplaced key in a policy name (`histroy_len`) | ValueError listing the valid keys |
+| a training step in the compute dtype (below `min_gemm_size`, an empty batch) between FP8 steps, through a Keras optimizer | the last FP8 step's gradient amax is recorded (JAX's optimizer would overwrite the pending value: the compute-dtype call folds it) |
+| an empty local batch on one process of a Keras FP8 model under torch DDP (gloo, two processes) | its layers take part in every amax reduction (zero): no hang, no abort; the state equal on both processes and to one process's on the rows kept (`test_keras_torch_ddp.py`, "empty_batch") |
+| a tied `FP8ReversibleEmbedding`'s projection | the `(vocabulary, hidden)` embeddings read as stored (`"out_in"`), no transposed copy per call; `FP8Dense`'s bits on their transpose (`test_keras_hub.py`, `test_jax_routes.py`) |
+| `FP8EinsumDense` with a bias, any `bias_axes` (bfloat16, outputs in the thousands) | one rounding after the bias: `FP8Dense`'s bits for the same kernel, bias and state, and the NumPy reference's (`test_fp8_einsum_dense.py`, `FP8EinsumDenseBiasTest`) |
 """
 
 import re
@@ -159,6 +163,54 @@ def test_torch_ops_empty_inputs(shape):
     y.sum().backward()
     assert w.grad.shape == w.shape and x.grad.shape == x.shape
     assert float(state.input_amax_history.abs().max()) == 0.0
+
+
+def _optimizer_step(layer, optimizer, x, upstream):
+    """A training call, its backward and a Keras optimizer's step, which
+    overwrites `grad_amax_pending` with its gradient: on JAX every step
+    (zero where no FP8 backward ran), on torch only where it has one."""
+    variables = layer.trainable_variables
+    if keras.backend.backend() == "torch":
+        xt = keras.ops.convert_to_tensor(x)
+        for v in variables:
+            v.value.grad = None
+        y = layer(xt, training=True)
+        (y.float() * keras.ops.convert_to_tensor(upstream, "float32")).sum().backward()
+        grads = [v.value.grad for v in variables]
+    else:
+        from tests.support.backend_utils import train_call_with_grads
+
+        _, _, by_path = train_call_with_grads(layer, x, upstream)
+        grads = [by_path[v.path] for v in variables]
+    optimizer.apply(grads, variables)
+
+
+@pytest.mark.parametrize("between", ["below_min_gemm_size", "empty_batch"])
+@pytest.mark.parametrize("make,shape", [
+    (lambda: FP8Dense(8, dtype="fp8_hybrid[history_len=4]", min_gemm_size=64 * 16 * 8), (64, 16)),
+    (lambda: FP8EinsumDense("abc,cd->abd", (None, 8), bias_axes="d", dtype="fp8_hybrid[history_len=4]",
+                            min_gemm_size=64 * 16 * 8), (4, 16, 16)),
+], ids=["dense", "einsum"])
+def test_a_compute_dtype_step_keeps_the_pending_gradient_amax(make, shape, between):
+    """The last FP8 step's output-gradient amax, pending, is recorded at the
+    next FP8 step although a step in the compute dtype came between."""
+    layer = make()
+    layer.build(shape)
+    optimizer = keras.optimizers.SGD(0.0)
+    optimizer.build(layer.trainable_variables)
+
+    def step(rows, seed):
+        x = rng_normal((rows,) + shape[1:], seed)
+        _optimizer_step(layer, optimizer, x, rng_normal(x.shape[:-1] + (8,), seed + 1))
+        return layer.fp8_execution()[0]
+
+    assert step(shape[0], 0) == "FP8"
+    pending = to_numpy(layer.grad_amax_pending)
+    assert pending[0] > 0
+    assert step(2 if between == "below_min_gemm_size" else 0, 2) != "FP8"
+    assert step(shape[0], 4) == "FP8"
+    history = to_numpy(layer.grad_amax_history)
+    assert history[0] == pending[0] and np.count_nonzero(history) == 1
 
 
 # --------------------------------------------------------------------------- 3. margin

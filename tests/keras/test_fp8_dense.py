@@ -62,7 +62,7 @@ class FP8DenseNumericsTest(parameterized.TestCase):
         xb = _bf16(x).reshape(-1, shape[-1])
         sx = reference.compute_scale(reference.amax(xb), 1.0, "e4m3")
         sk = reference.compute_scale(reference.amax(kernel), 1.0, "e4m3")
-        y_ref = _bf16(_bf16(reference.fp8_matmul(xb, kernel, sx, sk)) + _bf16(bias))
+        y_ref = _bf16(reference.fp8_matmul(xb, kernel, sx, sk) + _bf16(bias))  # one rounding
         _assert_close_bf16(y.reshape(-1, units), y_ref, "forward")
 
         # Backward: the output gradient is quantized once to E5M2.

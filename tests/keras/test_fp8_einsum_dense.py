@@ -6,6 +6,7 @@ import pytest
 from absl.testing import parameterized
 
 import keras_fp8
+from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from tests.support.backend_utils import rng_normal
 from tests.support.backend_utils import to_numpy
@@ -122,6 +123,7 @@ class FP8EinsumDenseReferenceTest(parameterized.TestCase):
     @parameterized.named_parameters(
         ("dense_3d", "abc,cd->abd", (2, 5, 16), (None, 8), "d"),
         ("heads", "abc,cde->abde", (2, 5, 16), (None, 4, 6), None),
+        ("heads_bias", "abc,cde->abde", (2, 5, 16), (None, 4, 6), "de"),
         ("out_proj", "abcd,cde->abe", (2, 5, 4, 6), (None, 16), "e"),
         ("transposed_kernel", "abc,dc->abd", (2, 5, 16), (None, 8), None),
         ("transposed_input", "acb,cd->abd", (2, 16, 5), (None, 8), None),
@@ -150,9 +152,10 @@ class FP8EinsumDenseReferenceTest(parameterized.TestCase):
         qx = reference.dequantize(reference.quantize(x, sx, "e4m3"), sx)
         qk = reference.dequantize(reference.quantize(kernel, sk, "e4m3"), sk)
         qg = reference.dequantize(reference.quantize(upstream, sg, "e5m2"), sg)
-        y_ref = _bf16(np.einsum(equation, qx, qk))
-        if layer.bias is not None:
-            y_ref = _bf16(y_ref + _bf16(to_numpy(layer.bias)))
+        y_ref = np.einsum(equation, qx, qk)
+        if layer.bias is not None:  # added in float32, one rounding (docs/numerics.md)
+            y_ref = y_ref + _bf16(to_numpy(layer.bias))
+        y_ref = _bf16(y_ref)
         dx_ref = _bf16(np.einsum(f"{output},{k_axes}->{x_axes}", qg, qk))
         dk_ref = np.einsum(f"{x_axes},{output}->{k_axes}", qx, qg)
 
@@ -161,3 +164,108 @@ class FP8EinsumDenseReferenceTest(parameterized.TestCase):
             np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * 1e-2 * np.abs(want).max(), err_msg=name)
         np.testing.assert_array_equal(
             grads[layer.grad_amax_pending.path], [reference.amax(upstream), 1.0, 0.0])
+
+
+def _magnitudes(shape, seed, high=100.0):
+    """bfloat16 values of magnitude 1 to `high`, random signs. Quantized
+    with the scale their amax seeds, each is at least 4 (in E4M3, a multiple
+    of 2**-1), so sums of up to 16 products of two are exact in float32,
+    whatever the order: a reference can match bit for bit."""
+    rng = np.random.default_rng(seed)
+    values = rng.uniform(1.0, high, shape) * rng.choice([-1.0, 1.0], shape)
+    return _bf16(values)
+
+
+class FP8EinsumDenseBiasTest(parameterized.TestCase):
+    """The bias rounds once, as in `FP8Dense` (docs/numerics.md, "GEMMs"):
+    added in float32 to the GEMM's float32 product, then one rounding to
+    the compute dtype. At bfloat16 with outputs in the thousands and biases
+    up to 100, rounding the product first changes about a quarter of the
+    outputs."""
+
+    @parameterized.named_parameters(
+        # equation, output shape, bias axes; the equal FP8Dense's kernel and
+        # bias as NumPy functions of the einsum's, and the einsum's output
+        # (or output gradient) as FP8Dense's.
+        ("dense_3d", "abc,cd->abd", (None, 8), "d", lambda k: k, lambda b: b, lambda y: y),
+        ("heads", "abc,cde->abde", (None, 4, 6), "de",
+         lambda k: k.reshape(16, 24), lambda b: b.reshape(24), lambda y: y.reshape(4, 8, 24)),
+        # The kernel's output axes in the other order: the bias transposed
+        # into the GEMM's columns.
+        ("heads_kernel_transposed", "abc,ced->abde", (None, 4, 6), "de",
+         lambda k: k.reshape(16, 24), lambda b: b.T.reshape(24), lambda y: y.transpose(0, 1, 3, 2).reshape(4, 8, 24)),
+        ("output_transposed", "abc,cd->adb", (8, None), "d",
+         lambda k: k, lambda b: b.reshape(8), lambda y: y.transpose(0, 2, 1)),
+    )
+    def test_equals_fp8_dense(self, equation, out_shape, bias_axes, dense_kernel, dense_bias, to_dense):
+        in_shape = (4, 8, 16)
+        layer = FP8EinsumDense(equation, out_shape, bias_axes=bias_axes, dtype="fp8_hybrid")
+        layer.build(in_shape)
+        kernel = _magnitudes(tuple(layer.kernel.shape), 1)
+        bias = _magnitudes(tuple(layer.bias.shape), 2)
+        layer.kernel.assign(kernel)
+        layer.bias.assign(bias)
+        dense = FP8Dense(dense_kernel(kernel).shape[1], dtype="fp8_hybrid")
+        dense.build(in_shape)
+        dense.kernel.assign(dense_kernel(kernel))
+        dense.bias.assign(dense_bias(bias))
+        for step in range(2):  # the first call seeds the scales; the second uses the state
+            x = _magnitudes(in_shape, 3 + step)
+            upstream = _bf16(rng_normal(tuple(to_numpy(layer(x)).shape), 5 + step))
+            y, dx, grads = train_call_with_grads(layer, x, upstream)
+            y_dense, dx_dense, dense_grads = train_call_with_grads(
+                dense, x, np.ascontiguousarray(to_dense(upstream)))
+            np.testing.assert_array_equal(to_dense(y), y_dense)
+            np.testing.assert_array_equal(dx, dx_dense)
+            np.testing.assert_array_equal(dense_kernel(grads[layer.kernel.path]), dense_grads[dense.kernel.path])
+            np.testing.assert_array_equal(dense_bias(grads[layer.bias.path]), dense_grads[dense.bias.path])
+            np.testing.assert_array_equal(grads[layer.grad_amax_pending.path],
+                                          dense_grads[dense.grad_amax_pending.path])
+            for name in ("input_amax_history", "kernel_amax_history", "input_scale", "kernel_scale"):
+                np.testing.assert_array_equal(to_numpy(getattr(layer, name)), to_numpy(getattr(dense, name)))
+
+    @parameterized.named_parameters(
+        # Biases that map onto the GEMM's columns (the epilogue adds them)
+        # and biases that do not (added to the GEMM's float32 output): one
+        # along an input axis of the output, one broadcast along an output
+        # axis of the kernel.
+        ("columns", "abc,cde->abde", (None, 4, 6), "de"),
+        ("along_the_sequence", "abc,cd->abd", (8, 8), "b"),
+        ("broadcast_over_heads", "abc,cde->abde", (None, 4, 6), "e"),
+        ("sequence_and_heads", "abc,cde->abde", (8, 4, 6), "bd"),
+    )
+    def test_forward_matches_the_numpy_reference_bit_for_bit(self, equation, out_shape, bias_axes):
+        from tests.support import numpy_reference as reference
+        from tests.support.backend_utils import real_fp8_gemm
+
+        in_shape = (4, 8, 16)
+        layer = FP8EinsumDense(equation, out_shape, bias_axes=bias_axes, dtype="fp8_hybrid")
+        layer.build(in_shape)
+        kernel = _magnitudes(tuple(layer.kernel.shape), 1)
+        bias = _magnitudes(tuple(layer.bias.shape), 2)
+        layer.kernel.assign(kernel)
+        layer.bias.assign(bias)
+        x = _magnitudes(in_shape, 3)
+        # Multiples of 1/16 below 8: their float32 sums are exact in any order.
+        upstream = np.round(rng_normal(tuple(to_numpy(layer(x)).shape), 4) * 16) / 16
+        y, _, grads = train_call_with_grads(layer, x, upstream)
+
+        sx = reference.compute_scale(reference.amax(x), 1.0, "e4m3")
+        sk = reference.compute_scale(reference.amax(kernel), 1.0, "e4m3")
+        qx = reference.quantize(x, sx, "e4m3").astype(np.float64)
+        qk = reference.quantize(kernel, sk, "e4m3").astype(np.float64)
+        product = np.einsum(equation, qx, qk).astype(np.float32) * np.float32(np.float32(sx) * np.float32(sk))
+        y_ref = _bf16(product + bias)  # bias: bfloat16 values, added in float32, one rounding
+        double = _bf16(_bf16(product) + bias)
+        self.assertGreater(np.mean(y_ref != double), 0.1)  # the data tells the two rules apart
+        if real_fp8_gemm():  # FP8 tensor cores accumulate in reduced precision
+            np.testing.assert_allclose(y, y_ref, rtol=2e-2, atol=2e-2 * np.abs(y_ref).max())
+        else:
+            np.testing.assert_array_equal(y, y_ref)
+        # The bias gradient: summed in float32, rounded once to the compute
+        # dtype (as FP8Dense's).
+        inputs, _, output = equation.partition("->")
+        bias_letters = output[len(output) - len(layer.bias.shape):]
+        summed = tuple(i for i, c in enumerate(output) if c not in bias_letters or c not in bias_axes)
+        db_ref = _bf16(upstream.astype(np.float64).sum(axis=summed).astype(np.float32)).reshape(layer.bias.shape)
+        np.testing.assert_array_equal(grads[layer.bias.path], db_ref)

@@ -242,7 +242,7 @@ def test_the_fused_path_computes_what_the_emulation_computes(jax_gemm, monkeypat
 
     def train_step(fused):
         chosen = jax_backend.FUSED if fused else jax_backend.EMULATION
-        monkeypatch.setattr(jax_backend, "route", lambda x, kernel, recipe: chosen)
+        monkeypatch.setattr(jax_backend, "route", lambda x, kernel, recipe, kernel_layout=None: chosen)
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((64,)), keras_fp8.layers.FP8Dense(48, use_bias=True),
                                   keras_fp8.layers.FP8Dense(32, use_bias=False)])

@@ -443,7 +443,7 @@ def test_fused_path_matches_the_emulation(recipe_name, mkn, use_bias):
         def run(x, kernel, bias):
             out = jax_backend._per_tensor_product(x, kernel, bias, jnp.zeros((3,), jnp.float32), *states[0],
                                                   *states[1], *states[2], jnp.float32(0.0), jax_backend.FUSED, recipe,
-                                                  use_bias)
+                                                  use_bias, False)
             return out
 
         outputs, vjp = jax.vjp(jax.jit(run), x, kernel, bias)

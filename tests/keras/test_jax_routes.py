@@ -147,7 +147,7 @@ def _steps(route_name, jax_backend, monkeypatch, policy, steps=2):
     """Compiled training steps of one FP8Dense called twice per step, a loss
     linear in its outputs (so that every route sees the same output
     gradients): the loss, the state, the gradients and the lowered text."""
-    monkeypatch.setattr(jax_backend, "route", lambda x, kernel, recipe: route_name)
+    monkeypatch.setattr(jax_backend, "route", lambda x, kernel, recipe, kernel_layout=None: route_name)
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(0)
     layer = keras_fp8.layers.FP8Dense(48, use_bias=True)
@@ -224,7 +224,7 @@ def on_route(request, jax_backend, monkeypatch):
     """Runs the test's FP8 calls on one route (the custom calls stood in for)."""
     if request.param != "emulation":
         request.getfixturevalue("custom_calls")
-    monkeypatch.setattr(jax_backend, "route", lambda x, kernel, recipe: request.param)
+    monkeypatch.setattr(jax_backend, "route", lambda x, kernel, recipe, kernel_layout=None: request.param)
     return request.param
 
 
@@ -285,3 +285,39 @@ def test_the_backend_amax_is_numerics_where_finite(jax_backend):
     assert np.isposinf(np.asarray(amax(jnp.asarray(x))))
     x[100, 100] = np.nan
     assert np.isnan(np.asarray(amax(jnp.asarray(x))))
+
+
+# --------------------------------------------------------------------------- a kernel stored (N, K)
+@pytest.mark.parametrize("on_route", _ROUTES, indirect=True)
+@pytest.mark.parametrize("policy", ["fp8_hybrid[history_len=4]", "fp8_hybrid[scaling=current]",
+                                    "fp8_e4m3[scaling=block]"])
+def test_a_tied_projection_equals_fp8_dense_on_the_transpose(on_route, policy):
+    """The tied vocabulary projection reads the `(N, K)` embeddings as
+    stored ("out_in": no transposed copy); on every route its outputs,
+    gradients and state are, bit for bit, an `FP8Dense`'s on their
+    transpose (data whose float32 sums are exact in any order)."""
+    from keras_fp8.layers import FP8ReversibleEmbedding
+    from tests.support.backend_utils import rng_window
+    from tests.support.composite_layers import Head
+
+    embedding = FP8ReversibleEmbedding(256, 64, tie_weights=True, dtype=policy)
+    embedding.build()
+    embedding.embeddings.assign(rng_window((256, 64), 0, 64.0, 100.0))
+    dense = keras_fp8.layers.FP8Dense(256, use_bias=False, dtype=policy)
+    dense.build((None, 64))
+    dense.kernel.assign(np.asarray(embedding.embeddings.numpy()).T)
+
+    head = Head(embedding, dtype=policy)
+    for step in range(2):
+        x = rng_window((64, 64), 10 + step, 64.0, 100.0)
+        up = rng_window((64, 256), 20 + step, 0.6, 1.0)
+        y, dx, grads = train_call_with_grads(head, x, up)
+        want_y, want_dx, want_grads = train_call_with_grads(dense, x, up)
+        np.testing.assert_array_equal(y, want_y)
+        np.testing.assert_array_equal(dx, want_dx)
+        np.testing.assert_array_equal(grads[embedding.embeddings.path], want_grads[dense.kernel.path].T)
+        for layer, g in ((embedding, grads), (dense, want_grads)):
+            layer.grad_amax_pending.assign(g[layer.grad_amax_pending.path])
+        got, want = layer_state(embedding), layer_state(dense)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)

@@ -31,6 +31,7 @@ from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
 from keras_fp8.layers import FP8ReversibleEmbedding
 from tests.support.backend_utils import rng_normal
+from tests.support.composite_layers import Head
 from tests.support.backend_utils import run_under_other_backend
 from tests.support.backend_utils import to_numpy
 from tests.support.backend_utils import train_call_with_grads
@@ -300,20 +301,6 @@ def test_keras_file_from_the_other_backend():
 
 
 # --------------------------------------------------------------------------- the vocabulary projection
-class Head(keras.layers.Layer):
-    """A token embedding's reverse call as a layer of its own (what a causal
-    LM's `call` runs last)."""
-
-    def __init__(self, embedding, **kwargs):
-        super().__init__(**kwargs)
-        self.embedding = embedding
-        self.built = embedding.built  # (stateless_call asks for a built layer)
-
-    def call(self, x, training=None):
-        # (`stateless_call` runs `call` outside any call context: pass it on.)
-        return self.embedding(x, reverse=True, training=training)
-
-
 def _assert_close(actual, expected, msg=""):
     """Element by element, within bfloat16's rounding of the output."""
     rtol = 2**-7
@@ -342,6 +329,61 @@ def test_projection_training_calls_equal_the_reference(tied):
         _assert_close(dk.T if tied else dk, rdk, f"dkernel, step {step}")
         pending.assign(grads[pending.path])  # the optimizer's overwrite
         assert_same_state(embedding, ref.state)
+
+
+@pytest.mark.parametrize("policy", ["fp8_hybrid[history_len=4]", "fp8_hybrid[scaling=current]",
+                                    "fp8_e4m3[scaling=block]"])
+def test_tied_projection_reads_the_embeddings_as_stored(monkeypatch, policy):
+    """With tied weights the FP8 matmul reads the `(vocabulary, hidden)`
+    embeddings as stored (no transposed copy per call: torch_ops's and the
+    JAX backend's "out_in" layout), and computes, bit for bit, what an
+    `FP8Dense` on their transpose computes: outputs, gradients, state. (One
+    exception: block scaling's weight gradient on torch, where torch_ops
+    multiplies each stretch's product by the two tile scales in the other
+    order for an `(N, K)` weight: within a float32 rounding.)"""
+    from keras_fp8 import backends
+    from tests.support.backend_utils import rng_window
+
+    embedding = FP8ReversibleEmbedding(40, 16, tie_weights=True, dtype=policy, min_gemm_size=0)
+    embedding.build()
+    embedding.embeddings.assign(rng_window((40, 16), 0, 64.0, 100.0))
+    head = Head(embedding, dtype=policy)
+    dense = FP8Dense(40, use_bias=False, dtype=policy, min_gemm_size=0)
+    dense.build((None, 16))
+    dense.kernel.assign(to_numpy(embedding.embeddings).T)
+
+    module = backends.get()
+    calls = []
+    fp8_matmul = module.fp8_matmul
+
+    def recording(layer, x, kernel, bias, config, training, *layout):
+        if layer is embedding:
+            calls.append((kernel, config, layout[0] if layout else "in_out"))
+        return fp8_matmul(layer, x, kernel, bias, config, training, *layout)
+
+    monkeypatch.setattr(module, "fp8_matmul", recording)
+    for step in range(3):
+        x = rng_window((2, 5, 16), 10 + step, 64.0, 100.0)
+        up = rng_window((2, 5, 40), 20 + step, 0.6, 1.0)
+        y, dx, grads = train_call_with_grads(head, x, up)
+        want_y, want_dx, want_grads = train_call_with_grads(dense, x.reshape(10, 16), up.reshape(10, 40))
+        np.testing.assert_array_equal(y.reshape(10, 40), want_y)
+        np.testing.assert_array_equal(dx.reshape(10, 16), want_dx)
+        if "block" in policy and keras.backend.backend() == "torch":
+            np.testing.assert_allclose(grads[embedding.embeddings.path], want_grads[dense.kernel.path].T,
+                                       rtol=2.0**-22)
+        else:
+            np.testing.assert_array_equal(grads[embedding.embeddings.path], want_grads[dense.kernel.path].T)
+        np.testing.assert_array_equal(grads[embedding.grad_amax_pending.path],
+                                      want_grads[dense.grad_amax_pending.path])
+        embedding.grad_amax_pending.assign(grads[embedding.grad_amax_pending.path])
+        dense.grad_amax_pending.assign(want_grads[dense.grad_amax_pending.path])
+        assert_same_state(embedding, layer_state(dense))
+    kernel, config, layout = calls[-1]
+    assert layout == "out_in" and tuple(kernel.shape) == (40, 16)
+    if keras.backend.backend() == "torch":
+        assert config.weight_layout == "out_in"
+        assert kernel is embedding.embeddings.value  # the variable's own tensor
 
 
 def test_lookup_is_unchanged_and_fp8_off_is_keras():

@@ -6,7 +6,10 @@ PyTorch" guide does (DDP around the Keras model, a custom loop), after
 step must be the same on both processes and equal, bit for bit, to one
 process stepping on the concatenated batch from the same weights: the
 input amax and the output gradient's amax (the gradient channel) are the
-max over the processes, never a mean.
+max over the processes, never a mean. In the "empty_batch" run process 1's
+batch is empty at one step: its layers still take part in the reductions
+(the run neither hangs nor aborts), and the state is the one process's on
+the rows kept.
 """
 
 import os
@@ -38,7 +41,7 @@ def same(a, b):
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("recipe", ["delayed", "current", "empty_batch"])
 def test_state_equal_on_every_process_and_to_one_process(runs, recipe):
     reference = runs[0][recipe]["reference"]
     assert len(reference) == 3
@@ -59,3 +62,4 @@ def test_prepare_ddp_takes_the_gradient_channels_out_of_ddp(runs):
 def test_one_process_evaluates_alone(runs):
     for recipe in ("delayed", "current"):
         assert runs[0][recipe]["evaluated_alone"] == (8, 8)
+    assert runs[0]["empty_batch"]["evaluated_alone"] == (8, 4, 8)

@@ -64,12 +64,27 @@ KINDS = ("fp8_dense", "dense_under_policy", "fp8_einsum_dense")
 
 
 def kept_state(layer):
-    """The FP8 state a LoRA step leaves alone: every variable but
+    """The FP8 state a LoRA step keeps: every variable but
     `grad_amax_pending`. That one holds the last FP8 step's output-gradient
-    amax until the next FP8 forward folds it; a LoRA step gives it no
-    gradient, which torch leaves as it is and JAX's optimizer writes as
-    zeros (nothing pending), so under JAX that one amax is not recorded."""
+    amax until it is folded; a LoRA step gives it no gradient, which
+    torch's optimizer leaves as it is (the next FP8 forward folds it) and
+    JAX's writes as zeros, so on JAX the LoRA step folds it first
+    (`after_lora`)."""
     return [to_numpy(v) for v in layer.fp8_state_variables if not v.path.endswith("grad_amax_pending")]
+
+
+def after_lora(layer):
+    """`kept_state` as LoRA steps leave it from the layer's state now: on
+    JAX with the pending gradient amax folded (as the reference folds it)."""
+    if keras.backend.backend() != "jax":
+        return kept_state(layer)
+    from tests.support.keras_reference import STATE_NAMES
+    from tests.support.keras_reference import ReferenceSteps
+    from tests.support.keras_reference import layer_state
+
+    reference = ReferenceSteps(layer_state(layer), layer.active_recipe())
+    reference.fold()
+    return [reference.state[name] for name in STATE_NAMES if name != "grad_amax_pending"]
 
 
 class SetWeightsTest(parameterized.TestCase):
@@ -141,7 +156,7 @@ class LoraTest(parameterized.TestCase):
         model = build_model()
         model.compile(optimizer="adam", loss=loss)
         model.fit(x, y, batch_size=16, verbose=0)
-        trained = [kept_state(layer) for layer in model.layers]
+        trained = [after_lora(layer) for layer in model.layers]
         for layer in model.layers:
             layer.enable_lora(4)
         model.compile(optimizer="adam", loss=loss)

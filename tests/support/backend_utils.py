@@ -124,6 +124,19 @@ def rng_normal(shape, seed, scale=1.0):
     )
 
 
+def rng_window(shape, seed, low, high):
+    """bfloat16 values of magnitude `low` to `high`, random signs. With
+    `high / low` below 2 (and a scale seeded from their amax) they quantize
+    into one binade of the FP8 format, so sums of a few hundred FP8
+    products of such values are exact in float32, in any order: two
+    layouts of one product can be compared bit for bit."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    values = rng.uniform(low, high, shape) * rng.choice([-1.0, 1.0], shape)
+    return values.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
 def fp8_bytes(q):
     """The raw bytes of an FP8 backend tensor, as a NumPy uint8 array."""
     if keras.backend.backend() == "torch":

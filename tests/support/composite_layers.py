@@ -1,7 +1,9 @@
 """A composite test layer that builds its own Dense/EinsumDense sublayers and
 passes its dtype policy on to them, as keras_hub's and Keras's composite
 layers do, and a Functional model around it (tests/keras/test_policy_layers.py,
-tests/keras/test_round_trips.py)."""
+tests/keras/test_round_trips.py); and `Head`, a token embedding's reverse
+call as a layer of its own (tests/keras/test_keras_hub.py,
+tests/keras/test_jax_routes.py)."""
 
 import keras
 
@@ -39,3 +41,17 @@ def functional_model():
     h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
     out = keras.layers.Dense(4, name="head")(h)
     return keras.Model(inp, out, name="func")
+
+
+class Head(keras.layers.Layer):
+    """A token embedding's reverse call as a layer of its own (what a causal
+    LM's `call` runs last)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+        self.built = embedding.built  # (stateless_call asks for a built layer)
+
+    def call(self, x, training=None):
+        # (`stateless_call` runs `call` outside any call context: pass it on.)
+        return self.embedding(x, reverse=True, training=training)

@@ -40,6 +40,18 @@ class ReferenceSteps:
     def _t(self, name):
         return ops.convert_to_tensor(self.state[name], "float32")
 
+    def fold(self):
+        """Folds the pending gradient amax (`numerics.fold_pending_grad_amax`),
+        as every training call does first (on JAX also one that runs in the
+        compute dtype). Returns the token this call's backward emits."""
+        hist, scale, fold_state, token = numerics.fold_pending_grad_amax(
+            self._t("grad_amax_pending"), self._t("grad_fold_state"), self._t("grad_amax_history"),
+            self._t("grad_scale"), self.recipe.backward_format, self.recipe)
+        self.state["grad_amax_history"] = to_numpy(hist)
+        self.state["grad_scale"] = to_numpy(scale)
+        self.state["grad_fold_state"] = to_numpy(fold_state)
+        return token
+
     def step(self, x2d, kernel, upstream2d, bias=None, training=True):
         """One call (and, when training, its backward and the optimizer's
         overwrite of `grad_amax_pending`).
@@ -61,15 +73,7 @@ class ReferenceSteps:
             scales[role] = used
             self.state[f"{role}_amax_history"] = to_numpy(hist)
             self.state[f"{role}_scale"] = to_numpy(scale)
-        if training:
-            hist, scale, fold_state, token = numerics.fold_pending_grad_amax(
-                self._t("grad_amax_pending"), self._t("grad_fold_state"), self._t("grad_amax_history"),
-                self._t("grad_scale"), bwd, r)
-            self.state["grad_amax_history"] = to_numpy(hist)
-            self.state["grad_scale"] = to_numpy(scale)
-            self.state["grad_fold_state"] = to_numpy(fold_state)
-        else:
-            token = ops.zeros((), "float32")
+        token = self.fold() if training else ops.zeros((), "float32")
         y, x_q, k_q = numerics.fp8_forward(x, k, scales["input"], scales["kernel"], r, bias=b)
         if not training:
             return to_numpy(y), None, None, None

@@ -69,6 +69,20 @@ def fp8_matmul(x, kernel, sx, sk, fmt="e4m3"):
     return (qx @ qk) * np.float32(np.float32(sx) * np.float32(sk))
 
 
+def fp8_linear_output(x, kernel, sx, sk, bias=None, out_dtype=ml_dtypes.bfloat16, fmt="e4m3"):
+    """The forward output of an FP8 layer with a fused bias, as
+    docs/numerics.md states it: the product of the quantized operands
+    summed exactly (float64; exact in float32 for data whose sums fit its
+    24 bits), times `sx * sk` in float32, the bias (in `out_dtype`) added
+    in float32, one rounding to `out_dtype`. Returns float32."""
+    qx = quantize(x, sx, fmt).astype(np.float64)
+    qk = quantize(kernel, sk, fmt).astype(np.float64)
+    product = (qx @ qk).astype(np.float32) * np.float32(np.float32(sx) * np.float32(sk))
+    if bias is not None:
+        product = product + np.asarray(bias, np.float32).astype(out_dtype).astype(np.float32)
+    return product.astype(out_dtype).astype(np.float32)
+
+
 # --------------------------------------------------------------------------- block scaling
 BLOCK = 128
 
