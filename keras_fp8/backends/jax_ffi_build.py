@@ -41,11 +41,14 @@ import sys
 import tempfile
 
 # The translation unit of each library and every file its content depends on.
+# Both include the kernel header, `fp8_kernels.h`, and with it every kernel
+# file (test_jax_ffi_build checks these lists against the #include lines).
+KERNEL_HEADERS = ("jax_ffi_util.h", "fp8_kernels.h", "cuda_common.h", "lt_gemm.h", "block_kernels.cuh",
+                  "fold_block.cuh", "quantize_kernels.cuh", "finalize.cuh")
 GEMM_ENTRY = "jax_ffi.cpp"
-GEMM_SOURCES = (GEMM_ENTRY, "jax_ffi_util.h", "lt_gemm.h")
+GEMM_SOURCES = (GEMM_ENTRY,) + KERNEL_HEADERS
 QUANTIZE_ENTRY = "jax_quantize.cu"
-QUANTIZE_SOURCES = (QUANTIZE_ENTRY, "jax_ffi_util.h", "quantize_kernels.cuh", "cuda_common.h", "finalize.cuh",
-                    "fold_block.cuh")
+QUANTIZE_SOURCES = (QUANTIZE_ENTRY,) + KERNEL_HEADERS
 ENTRIES = (GEMM_ENTRY, QUANTIZE_ENTRY)
 # Where the libraries are built and kept by default.
 CACHE_DIR = pathlib.Path.home() / ".cache" / "keras_fp8" / "jax_ffi"

@@ -144,3 +144,21 @@ def test_a_failed_compile_names_the_command_and_leaves_nothing(jax_ffi_build, tm
     with pytest.raises(RuntimeError, match=r"building libx\.so failed:\n.*python"):
         jax_ffi_build._compile(out, lambda partial: [sys.executable, "-c", "import sys; sys.exit('no')"])
     assert not out.exists() and list(out.parent.iterdir()) == []
+
+
+def test_source_lists_hold_every_included_file(jax_ffi_build):
+    """A library's cache key covers every repository file its entry
+    includes, transitively: a kernel change rebuilds it."""
+    import re
+
+    csrc = jax_ffi_build.source_dir()
+
+    def closure(name, seen):
+        seen.add(name)
+        for inc in re.findall(r'^#include "([^"]+)"', (csrc / name).read_text(), re.M):
+            if (csrc / inc).is_file() and inc not in seen:
+                closure(inc, seen)
+        return seen
+
+    assert closure(jax_ffi_build.GEMM_ENTRY, set()) == set(jax_ffi_build.GEMM_SOURCES)
+    assert closure(jax_ffi_build.QUANTIZE_ENTRY, set()) == set(jax_ffi_build.QUANTIZE_SOURCES)
