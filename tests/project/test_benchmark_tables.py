@@ -131,8 +131,7 @@ def _linear_records(process, block_error=True):
 
 class LinearTest(parameterized.TestCase):
     def test_headers_are_the_docs(self):
-        self.assertIn(linear.MS_HEADER, DOCS)
-        self.assertIn(linear.RATIO_HEADER, DOCS)
+        self.assertIn(linear.RATIO_HEADER, DOCS)  # the ms table is printed, the page shows the ratios
 
     def test_tables(self):
         text = linear.tables([_linear_records(p) for p in range(3)])
