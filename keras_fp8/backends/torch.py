@@ -56,6 +56,7 @@ def linear_config(recipe, min_gemm_size):
         power_of_two=getattr(recipe, "power_of_two", False),
         weight_layout="in_out",
         min_gemm_size=min_gemm_size,
+        share_quantized_inputs=recipe.share_quantized_inputs,
     )
 
 
