@@ -63,12 +63,15 @@ def _identity(x):
     return root, (id(root), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype)
 
 
-def _drop(key, token):
-    """A dead tensor's weak-reference callback: forgets its entry."""
-    with _LOCK:
-        entry = _ENTRIES.get(key)
-        if entry is not None and entry.token is token:
-            del _ENTRIES[key]
+def _drop(key, token, entries=_ENTRIES):
+    """A dead tensor's weak-reference callback: forgets its entry. It
+    takes no lock: it may run inside ``lookup`` or ``store`` (a collection
+    started there), and a race can only drop a newer entry, which costs a
+    quantize, never a wrong result. The table is bound early: a callback
+    may also run while the interpreter shuts down."""
+    entry = entries.get(key)
+    if entry is not None and entry.token is token:
+        entries.pop(key, None)
 
 
 def lookup(x, settings, consumer, transpose):
@@ -119,7 +122,7 @@ def store(x, settings, consumer, payload):
     root, part = ident
     key = (part, settings)
     token = object()
-    ref = weakref.ref(root, lambda _, key=key, token=token: _drop(key, token))
+    ref = weakref.ref(root, lambda _, key=key, token=token, drop=_drop: drop(key, token))
     entry = _Entry(ref, x._version, payload, None if consumer is None else id(consumer), token)
     with _LOCK:
         _ENTRIES[key] = entry

@@ -2,11 +2,14 @@
 
 Each backend module provides:
 
-    fp8_matmul(layer, x, kernel, bias, config, training) -> y
+    fp8_matmul(layer, x, kernel, bias, config, training, source=None) -> y
         `y = x @ kernel (+ bias)` for `x` of shape `(M, K)` and `kernel` of
         shape `(K, N)`, both quantized to the recipe's forward format, with a
         backward pass that quantizes the output gradient once (the backward
-        format) for both gradient matmuls. It reads and (when training)
+        format) for both gradient matmuls. Layers reading the same tensor
+        quantize it once (docs/numerics.md, "One quantize per tensor"):
+        `source`, `(inputs, layout)`, names the tensor `x` was made from and
+        how. It reads and (when training)
         updates the layer's FP8 state variables (public attributes of the
         layer), and returns the output gradient's amax through the gradient
         of `grad_amax_pending` (see `keras_fp8/layers/fp8_state.py`).

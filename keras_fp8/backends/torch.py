@@ -71,10 +71,11 @@ def _variable_reader():
     return compat.raw_value if compat.in_stateless_scope() else compat.stored_value
 
 
-def fp8_matmul(layer, x, kernel, bias, config, training):
+def fp8_matmul(layer, x, kernel, bias, config, training, source=None):
     """See `keras_fp8.backends`: `torch_ops.fp8_linear` on the layer's FP8
     state variables (the gradient channel included), whose bias is added in
-    x's dtype (fused into the GEMM)."""
+    x's dtype (fused into the GEMM). `source` is not needed: torch_ops finds
+    the tensor a view `x` was made from itself (`torch_ops.sharing`)."""
     value = _variable_reader()
     state = torch_ops.FP8LinearState(
         value(layer.input_scale),

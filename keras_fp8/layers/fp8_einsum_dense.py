@@ -156,8 +156,12 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         if config is None:
             return super().call(inputs, training=training)
 
+        # x2d is inputs transposed by the plan, then reshaped: the layout
+        # layers reading the same inputs must share to share x2d's copy.
+        source = (inputs, tuple(self._plan.x_perm))
+
         def matmul(x2d, kernel2d):
-            return self._fp8_matmul(x2d, kernel2d, config, bool(training))
+            return self._fp8_matmul(x2d, kernel2d, config, bool(training), source=source)
 
         y = self._plan.call(matmul, inputs, self._raw_value(self._kernel))
         if self.bias is not None:
