@@ -24,6 +24,13 @@ Conventions:
   non-finite input gives a non-finite output, as a plain matmul would.
 - `history[0]` is the newest amax; recording shifts by one and writes slot 0.
   A non-finite amax is never recorded.
+- One quantize per tensor: layers reading the same tensor with the same
+  forward format and recipe share the first reader's FP8 copy, the scale it
+  used and its amax; each records that amax in its own state (`operand_scale`
+  on its own history and scale), so states never differ from unshared ones,
+  and outputs do not wherever the readers' input scales are equal
+  (docs/numerics.md, "One quantize per tensor"; `block_quantize_input` is
+  block scaling's shareable copy).
 """
 
 import numpy as np
