@@ -1,11 +1,13 @@
 """One quantize per tensor: FP8 layers reading one input, on every backend.
 
-A block whose three FP8Dense (or FP8EinsumDense) projections read the same
-normalized input, trained with sharing on against the same block with it
-off (`share_quantized_inputs=False`): every variable after several steps and
-the predictions element by element; the input quantized once per step (torch:
-the quantize ops counted; JAX: the compiled program's FP8 conversions of the
-input counted).
+A block whose three FP8Dense (or FP8EinsumDense, its bias in the GEMM or
+added to a float32 GEMM) projections read the same normalized input, and an
+FP8Dense beside a tied FP8ReversibleEmbedding's projection (its `(N, K)`
+embeddings read as stored), trained with sharing on against the same block
+with it off (`share_quantized_inputs=False`): every variable after several
+steps and the predictions element by element; the input quantized once per
+step (torch: the quantize ops counted; JAX: the compiled program's FP8
+conversions of the input counted).
 """
 
 import re
@@ -19,6 +21,7 @@ from absl.testing import parameterized
 from keras_fp8 import recipes
 from keras_fp8.layers import FP8Dense
 from keras_fp8.layers import FP8EinsumDense
+from keras_fp8.layers import FP8ReversibleEmbedding
 from tests.support.backend_utils import rng_normal
 
 pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
@@ -35,8 +38,15 @@ def _projections(kind, recipe, margins=(0.0, 0.0, 0.0)):
     if kind == "dense":
         return [FP8Dense(UNITS, recipe=recipe.replace(**_margin(recipe, m)), dtype="fp8_hybrid", name=f"p{i}")
                 for i, m in enumerate(margins)]
-    return [FP8EinsumDense("abc,cde->abde", output_shape=(None, 2, UNITS // 2), bias_axes="de",
-                           recipe=recipe.replace(**_margin(recipe, m)), dtype="fp8_hybrid", name=f"p{i}")
+    if kind == "einsum":  # the bias spans the GEMM's columns: added in its epilogue
+        return [FP8EinsumDense("abc,cde->abde", output_shape=(None, 2, UNITS // 2), bias_axes="de",
+                               recipe=recipe.replace(**_margin(recipe, m)), dtype="fp8_hybrid", name=f"p{i}")
+                for i, m in enumerate(margins)]
+    # The bias varies along the sequence (an axis of M): added to the GEMM's
+    # float32 output, the GEMM reading the input widened to float32.
+    return [FP8EinsumDense("abc,cd->abd", output_shape=(SEQ, UNITS), bias_axes="bd",
+                           bias_initializer="random_normal", recipe=recipe.replace(**_margin(recipe, m)),
+                           dtype="fp8_hybrid", name=f"p{i}")
             for i, m in enumerate(margins)]
 
 
@@ -52,6 +62,19 @@ def _model(kind, recipe, margins=(0.0, 0.0, 0.0)):
     q, k, v = [layer(h) for layer in _projections(kind, recipe, margins)]
     out = keras.layers.Reshape((SEQ, UNITS))(q * k + v)
     model = keras.Model(inputs, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def _tied_model(recipe):
+    """An FP8Dense and a tied embedding's vocabulary projection (kernel
+    layout "out_in") reading one normalized input."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((SEQ, DIM))
+    h = keras.layers.LayerNormalization(dtype="fp8_hybrid")(inputs)
+    dense = FP8Dense(UNITS, recipe=recipe, dtype="fp8_hybrid", name="p0")
+    embedding = FP8ReversibleEmbedding(UNITS, DIM, tie_weights=True, recipe=recipe, dtype="fp8_hybrid", name="p1")
+    model = keras.Model(inputs, dense(h) * embedding(h, reverse=True))
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     return model
 
@@ -128,9 +151,15 @@ def _jax_layers_converting_the_input(model):
 
 
 class ShareQuantizeTest(parameterized.TestCase):
-    @parameterized.product(kind=("dense", "einsum"), recipe=tuple(RECIPES))
+    @parameterized.product(kind=("dense", "einsum", "einsum_row_bias"), recipe=tuple(RECIPES))
     def test_shared_block_trains_exactly_as_the_unshared_one(self, kind, recipe):
         _assert_identical(_trained(kind, RECIPES[recipe](True)), _trained(kind, RECIPES[recipe](False)))
+
+    @parameterized.product(recipe=tuple(RECIPES))
+    def test_tied_projection_beside_a_dense_trains_exactly_as_unshared(self, recipe):
+        # Sharing is about x; the tied projection's kernel layout plays no part.
+        _assert_identical(_fit_and_predict(_tied_model(RECIPES[recipe](True)), 3),
+                          _fit_and_predict(_tied_model(RECIPES[recipe](False)), 3))
 
     @parameterized.product(kind=("dense", "einsum"))
     def test_different_margins_share_only_where_equal(self, kind):
@@ -156,6 +185,26 @@ class ShareQuantizeTest(parameterized.TestCase):
             # Block scales come from the tensor alone: XLA's common
             # subexpression elimination merges the unshared layers' copies too.
             self.assertEqual(unshared, {"p0"} if recipe == "block" else {"p0", "p1", "p2"})
+        else:
+            self.skipTest(f"no FP8 layers on {backend}")
+
+    def test_the_input_is_quantized_once_beside_other_kernel_layouts_and_biases(self):
+        backend = keras.backend.backend()
+        if backend == "torch":
+            # A tied projection reads the same view of the input as the
+            # FP8Dense (torch_ops finds it without a source).
+            steps = 2
+            models = [_tied_model(RECIPES["delayed"](share)) for share in (True, False)]
+            shared, unshared = (_torch_input_quantizes(lambda: _fit_and_predict(m, steps)) for m in models)
+            self.assertEqual(shared, steps + 1)
+            self.assertEqual(unshared, 2 * (steps + 1))
+        elif backend == "jax":
+            # The einsum's float32 GEMM (a bias along M) reads the widened
+            # input: one copy for the three layers as well.
+            shared = _jax_layers_converting_the_input(_model("einsum_row_bias", RECIPES["delayed"](True)))
+            unshared = _jax_layers_converting_the_input(_model("einsum_row_bias", RECIPES["delayed"](False)))
+            self.assertEqual(shared, {"p0"})
+            self.assertEqual(unshared, {"p0", "p1", "p2"})
         else:
             self.skipTest(f"no FP8 layers on {backend}")
 
