@@ -121,7 +121,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("fast_accum_wgrad", &torch_ops::LinearOptions::fast_accum_wgrad);
   m.def("linear", &torch_ops::linear,
         "x, weight, bias, state[6], grad_amax_pending, grad_fold_state, options, training, record_inputs, "
-        "autotune -> out (every argument checked by torch_ops/linear.py)");
+        "autotune, x_fp8, return_x_fp8 -> [out] (+ x's q, q_t, scale_used, amax with return_x_fp8; every "
+        "argument checked by torch_ops/linear.py)");
   m.def(
       "constants",
       []() {

@@ -168,9 +168,14 @@ struct __attribute__((visibility("hidden"))) LinearOptions {
 // The FP8 linear: x (..., K), weight (N, K) or (K, N) (in_out), bias (N,)
 // or none, state the six float32 tensors of torch_ops.FP8LinearState in
 // field order, and optionally its gradient channel (pending, fold_state).
-// Every argument checked by the caller. Returns (..., N) in x's dtype.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  const std::vector<at::Tensor>& state, const c10::optional<at::Tensor>& grad_amax_pending,
-                  const c10::optional<at::Tensor>& grad_fold_state, const LinearOptions& options, bool training,
-                  bool record_inputs, bool autotune);
+// x_fp8: empty, or x as an earlier linear quantized it (torch_ops/sharing.py)
+// {q, q_t (None where not written), scale_used, amax}: x is not quantized
+// again and a training call records that amax. Every argument checked by
+// the caller. Returns {(..., N) in x's dtype}, followed, with return_x_fp8
+// (and no x_fp8), by x's {q, q_t (None where not written), scale_used, amax}.
+std::vector<c10::optional<at::Tensor>> linear(
+    const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+    const std::vector<at::Tensor>& state, const c10::optional<at::Tensor>& grad_amax_pending,
+    const c10::optional<at::Tensor>& grad_fold_state, const LinearOptions& options, bool training, bool record_inputs,
+    bool autotune, const std::vector<c10::optional<at::Tensor>>& x_fp8, bool return_x_fp8);
 }  // namespace torch_ops

@@ -5,12 +5,16 @@
 // both with torch_ops/reference.py.
 //
 // linear(x, weight, bias, <6 state tensors>, grad_amax_pending,
-//        grad_fold_state, options, training, record_inputs, autotune)
-//   -> out (x's leading dims, N). `options` is the call's LinearConfig as a
-//   LinearOptions struct (common.h). With a gradient channel
-//   (grad_amax_pending and grad_fold_state given): the channel's fold, then
-//   the linear with `grad_amax_pending` as the channel: its gradient is
-//   [amax (0 if not finite), token, 0].
+//        grad_fold_state, options, training, record_inputs, autotune, x_fp8,
+//        return_x_fp8)
+//   -> [out (x's leading dims, N)] (+ x's quantized copy, see common.h).
+//   `options` is the call's LinearConfig as a LinearOptions struct
+//   (common.h). With a gradient channel (grad_amax_pending and
+//   grad_fold_state given): the channel's fold, then the linear with
+//   `grad_amax_pending` as the channel: its gradient is [amax (0 if not
+//   finite), token, 0]. With `x_fp8` (one quantize per tensor,
+//   torch_ops/sharing.py) x arrives quantized by an earlier linear and only
+//   its amax is recorded here.
 // torch_ops/linear.py checks every argument and chooses this route (plain
 // dense CUDA tensors the kernels serve, per-tensor scaling, no amax
 // reduction, at or above min_gemm_size) before calling: nothing is checked
@@ -182,10 +186,26 @@ class LinearFn : public torch::autograd::Function<LinearFn> {
 
 }  // namespace
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
-                  const std::vector<at::Tensor>& state_in, const c10::optional<at::Tensor>& pending_in,
-                  const c10::optional<at::Tensor>& fold_state_in, const LinearOptions& options, bool training,
-                  bool record_inputs, bool autotune) {
+// Records the amax of x quantized by another linear (x_fp8) in this
+// linear's state, as its own quantize would have (torch_ops/linear.py's
+// _record_shared): delayed scaling records it and moves the scale to the
+// window; current scaling stores the scale x was quantized with, or keeps
+// its own where the amax defines none.
+static void record_shared(const at::Tensor& hist, const at::Tensor& scale, const at::Tensor& amax,
+                          const at::Tensor& scale_used, bool current_scaling, double mdiv, int algo) {
+  if (!current_scaling) {
+    record_amax_launch(hist, scale, amax, kE4M3, algo, mdiv, false);
+    return;
+  }
+  const at::Tensor usable = at::isfinite(amax).logical_and_(amax.gt(0));
+  scale.copy_(at::where(usable, scale_used.reshape({}), scale.reshape({})).reshape(scale.sizes()));
+}
+
+std::vector<c10::optional<at::Tensor>> linear(
+    const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_in,
+    const std::vector<at::Tensor>& state_in, const c10::optional<at::Tensor>& pending_in,
+    const c10::optional<at::Tensor>& fold_state_in, const LinearOptions& options, bool training,
+    bool record_inputs, bool autotune, const std::vector<c10::optional<at::Tensor>>& x_fp8, bool return_x_fp8) {
   const long long K = x.size(-1);
   const long long N = options.in_out ? weight.size(1) : weight.size(0);
   c10::optional<at::Tensor> bias;
@@ -198,8 +218,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 
   // The gradient channel's fold, on a training call: its copies are this
   // call's grad state, valid for its backward even when a later call folds
-  // into the variables again. Launched by x's quantize (below), before
-  // anything reads them.
+  // into the variables again. Launched by x's quantize (below; the weight's
+  // where x arrives quantized), before anything reads them.
   FoldOutputs folded;
   const bool folds = has_channel && training;
   if (folds) {
@@ -236,6 +256,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   s.grad_hist = state[5];
   s.grad_scale = state[4];
   s.token = folded.token;
+  at::Tensor qx_amax;
   {
     at::NoGradGuard ng;
     // The weight as the kernels read it (contiguous; a copy made without
@@ -243,15 +264,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     const at::Tensor wd = weight.is_contiguous() ? weight : weight.contiguous();
     QuantizeExtras with_fold;
     if (folds) with_fold.fold = folded.job;
-    Q qx = quant(x2d, state[1], state[0], kE4M3, current_scaling, mdiv, algo, need_dw, record, true, at::Tensor(),
+    const bool shared = !x_fp8.empty();
+    Q qx;
+    if (shared) {
+      qx.q = *x_fp8[0];
+      if (x_fp8[1].has_value()) qx.qt = *x_fp8[1];
+      qx.scale_used = *x_fp8[2];
+      qx.amax = *x_fp8[3];
+      if (record) record_shared(state[1], state[0], qx.amax, qx.scale_used, current_scaling, mdiv, algo);
+    } else {
+      qx = quant(x2d, state[1], state[0], kE4M3, current_scaling, mdiv, algo, need_dw, record, true, at::Tensor(),
                  folds ? &with_fold : nullptr);
+    }
     // The forward wants the weight as (N, K), the dX GEMM as (K, N); out_in stores (N, K).
     const bool in_out = options.in_out;
     Q qw = quant(wd, state[3], state[2], kE4M3, current_scaling, mdiv, algo, in_out || need_dx, record,
-                 (!in_out) || need_dx);
+                 (!in_out) || need_dx, at::Tensor(), folds && shared ? &with_fold : nullptr);
     s.qx = qx.q;
     s.qxt = qx.qt;
     s.sx = qx.scale_used;
+    qx_amax = qx.amax;
     s.sw = qw.scale_used;
     s.qw_fwd = in_out ? qw.qt : qw.q;
     s.qw_bwd = in_out ? qw.q : qw.qt;
@@ -264,10 +296,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     out = fp8_gemm(s.qx, s.qw_fwd, s.sx, s.sw, bias_as(bias, x2d.scalar_type()), x2d.scalar_type(),
                    options.fast_accum_forward, autotune);
   }
-  if (x.dim() == 2) return out;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(N);
-  return out.reshape(shape);
+  if (x.dim() != 2) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(N);
+    out = out.reshape(shape);
+  }
+  std::vector<c10::optional<at::Tensor>> result{out};
+  if (return_x_fp8 && x_fp8.empty()) {
+    auto maybe = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+    result.insert(result.end(), {maybe(s.qx), maybe(s.qxt), s.sx, qx_amax});
+  }
+  return result;
 }
 
 }  // namespace torch_ops

@@ -24,6 +24,13 @@ Conventions:
   non-finite input gives a non-finite output, as a plain matmul would.
 - `history[0]` is the newest amax; recording shifts by one and writes slot 0.
   A non-finite amax is never recorded.
+- One quantize per tensor: layers reading the same tensor with the same
+  forward format and recipe share the first reader's FP8 copy, the scale it
+  used and its amax; each records that amax in its own state (`operand_scale`
+  on its own history and scale), so states never differ from unshared ones,
+  and outputs do not wherever the readers' input scales are equal
+  (docs/numerics.md, "One quantize per tensor"; `block_quantize_input` is
+  block scaling's shareable copy).
 """
 
 import numpy as np
@@ -505,7 +512,16 @@ def block_matmul(a_q, a_scales, b_q, b_scales, out_dtype, bias=None, b_tiles=Fal
     return ops.cast(out, out_dtype)
 
 
-def block_forward(x, kernel, recipe, bias=None, matmul=block_matmul, kernel_out_in=False):
+def block_quantize_input(x, recipe):
+    """x's block-scaled copies: `(x_q, x_s)` in 1 x 128 tiles along K (the
+    forward) and `(x_qc, x_sc)` in 128 x 1 tiles along M (the kernel's
+    gradient), as a tuple `(x_q, x_s, x_qc, x_sc)`. They depend on x alone,
+    so layers reading the same x may share them ("One quantize per tensor")."""
+    fmt, margin, pow2 = recipe.forward_format, recipe.margin, recipe.power_of_two
+    return quantize_tiles(x, fmt, 1, margin, pow2) + quantize_tiles(x, fmt, 0, margin, pow2)
+
+
+def block_forward(x, kernel, recipe, bias=None, matmul=block_matmul, kernel_out_in=False, x_tiles=None):
     """The block-scaled forward: x in 1 x 128 tiles, the kernel in 128 x 128
     blocks; also x's 128 x 1 tiles, for the kernel's gradient.
 
@@ -513,18 +529,18 @@ def block_forward(x, kernel, recipe, bias=None, matmul=block_matmul, kernel_out_
         kernel: `(K, N)`, or `(N, K)` with `kernel_out_in`: quantized as
             stored (a block's elements, so its scale, are the same either
             way) and read transposed.
+        x_tiles: x's copies made already (`block_quantize_input`), or None.
 
     Returns:
         `(y, residuals)` for `block_backward`.
     """
     fmt, margin, pow2 = recipe.forward_format, recipe.margin, recipe.power_of_two
-    x_q, x_s = quantize_tiles(x, fmt, 1, margin, pow2)
+    x_q, x_s, x_qc, x_sc = block_quantize_input(x, recipe) if x_tiles is None else x_tiles
     k_q, k_s = quantize_blocks(kernel, fmt, margin, pow2)
     if kernel_out_in:
         y = matmul(x_q, x_s, ops.transpose(k_q), ops.transpose(k_s), x.dtype, bias)
     else:
         y = matmul(x_q, x_s, k_q, k_s, x.dtype, bias)
-    x_qc, x_sc = quantize_tiles(x, fmt, 0, margin, pow2)
     return y, (x_qc, x_sc, k_q, k_s)
 
 

@@ -65,6 +65,14 @@ def _check_margin(margin):
         )
 
 
+def _check_share_quantized_inputs(value):
+    if not isinstance(value, bool):
+        raise ValueError(
+            "Invalid `share_quantized_inputs`. Expected a bool. "
+            f"Received: share_quantized_inputs={value!r}"
+        )
+
+
 def check_min_gemm_size(min_gemm_size):
     """Validates a `min_gemm_size` setting (None or an integer >= 0).
 
@@ -146,6 +154,13 @@ class DelayedScaling(Recipe):
             (the newest entry).
         fp8_format: `"hybrid"` (E4M3 forward, E5M2 output gradient) or
             `"e4m3"` (E4M3 both ways).
+        share_quantized_inputs: Whether layers that read the same input
+            tensor (Q, K and V; gate and up) with the same recipe quantize it
+            once and share the FP8 copy, its scale and its amax; each layer
+            still records the amax in its own history. Exactly the unshared
+            results wherever the layers' input scales are equal (layers
+            trained together have equal histories); docs/numerics.md, "One
+            quantize per tensor". False: every layer quantizes its input.
 
     Example:
 
@@ -158,6 +173,7 @@ class DelayedScaling(Recipe):
     margin: float = 0.0
     amax_compute_algo: str = "max"
     fp8_format: str = "hybrid"
+    share_quantized_inputs: bool = True
 
     name = "delayed"
 
@@ -179,6 +195,7 @@ class DelayedScaling(Recipe):
                 f"Received: amax_compute_algo={self.amax_compute_algo!r}"
             )
         _check_fp8_format(self.fp8_format)
+        _check_share_quantized_inputs(self.share_quantized_inputs)
 
 
 @register_keras_serializable(package="keras_fp8")
@@ -194,21 +211,25 @@ class CurrentScaling(Recipe):
         margin: Headroom, 0 to 8: the tensor's amax maps to
             `fmt_max / 2**margin`.
         fp8_format: `"hybrid"` or `"e4m3"`.
+        share_quantized_inputs: As for `DelayedScaling` (the scale comes
+            from the tensor, so sharing never changes a result).
 
     Example:
 
     >>> CurrentScaling(margin=1).get_config()
-    {'margin': 1, 'fp8_format': 'hybrid'}
+    {'margin': 1, 'fp8_format': 'hybrid', 'share_quantized_inputs': True}
     """
 
     margin: float = 0.0
     fp8_format: str = "hybrid"
+    share_quantized_inputs: bool = True
 
     name = "current"
 
     def __post_init__(self):
         _check_margin(self.margin)
         _check_fp8_format(self.fp8_format)
+        _check_share_quantized_inputs(self.share_quantized_inputs)
 
 
 @register_keras_serializable(package="keras_fp8")
@@ -231,6 +252,8 @@ class BlockScaling(Recipe):
             `"hybrid"` (E5M2 output gradients).
         power_of_two: Round each scale up to a power of two (exact
             multiplications; no saturation).
+        share_quantized_inputs: As for `DelayedScaling` (the tile scales
+            come from the tensor, so sharing never changes a result).
 
     Example:
 
@@ -241,6 +264,7 @@ class BlockScaling(Recipe):
     margin: float = 0.0
     fp8_format: str = "e4m3"
     power_of_two: bool = False
+    share_quantized_inputs: bool = True
 
     name = "block"
     block_size = 128
@@ -253,6 +277,7 @@ class BlockScaling(Recipe):
                 "Invalid `power_of_two`. Expected a bool. "
                 f"Received: power_of_two={self.power_of_two!r}"
             )
+        _check_share_quantized_inputs(self.share_quantized_inputs)
 
 
 RECIPES = {"delayed": DelayedScaling, "current": CurrentScaling, "block": BlockScaling}

@@ -59,6 +59,11 @@ class LinearConfig:
         min_gemm_size: ``M*N*K`` below which a call runs the compute-dtype
             linear and leaves the state alone (None: ``torch_ops.
             get_settings()``'s, resolved for the call's device).
+        share_quantized_inputs: Whether a call may take the FP8 copy of x
+            that an earlier linear made of the same tensor, with the same
+            settings, instead of quantizing x again (``torch_ops.sharing``;
+            docs/numerics.md, "One quantize per tensor"). False: this call
+            quantizes x itself and leaves nothing to share.
 
     Raises:
         ValueError: naming the first field that is not one of its accepted
@@ -76,6 +81,7 @@ class LinearConfig:
     fast_accum_wgrad: bool = False
     weight_layout: str = "out_in"
     min_gemm_size: int | None = None
+    share_quantized_inputs: bool = True
 
     def __post_init__(self):
         if self.fp8_format not in ref.FP8_FORMATS:
@@ -97,6 +103,7 @@ class LinearConfig:
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout: expected one of {WEIGHT_LAYOUTS}, got {self.weight_layout!r}")
         settings_lib.check_min_gemm_size(self.min_gemm_size)
+        _check_bool("share_quantized_inputs", self.share_quantized_inputs)
 
     @property
     def forward_dtype(self) -> torch.dtype:

@@ -39,6 +39,7 @@ from . import gathered
 from . import ops
 from . import reference as ref
 from . import settings as settings_lib
+from . import sharing
 from .config import DEFAULT_CONFIG
 from .config import LinearConfig
 
@@ -266,10 +267,20 @@ def linear_call(x, weight, bias, state, config, training):
     if route is COMPUTE_DTYPE:
         return compute_dtype_linear(x, weight, bias, config.weight_layout), route
     if route is EAGER_ENTRY:
-        y = ext.linear(x, weight, bias, list(state.tensors()), state.grad_amax_pending, state.grad_fold_state,
-                       native_options(ext, config), bool(training), not _recomputing(),
-                       settings_lib.get_settings().gemm_autotune)
-        return y, route
+        # x quantized by an earlier linear (its FP8 copy, scale used, amax),
+        # or, where sharing applies, this call's own copy to leave for the next.
+        settings = shared = None
+        if config.share_quantized_inputs:
+            history = state.input_amax_history
+            settings = _share_settings(config, history, None)
+            shared = sharing.lookup(x, settings, history, torch.is_grad_enabled() and weight.requires_grad)
+        out = ext.linear(x, weight, bias, list(state.tensors()), state.grad_amax_pending, state.grad_fold_state,
+                         native_options(ext, config), bool(training), not _recomputing(),
+                         settings_lib.get_settings().gemm_autotune, [] if shared is None else list(shared),
+                         settings is not None and shared is None)
+        if settings is not None and shared is None:
+            sharing.store(x, settings, state.input_amax_history, tuple(out[1:]))
+        return out[0], route
     if state.has_gradient_channel:
         return _folded_linear(x, weight, bias, state, config, training), route
     if config.scaling == "block":
@@ -365,6 +376,71 @@ def fold_pending_grad_amax(pending, fold_state, amax_history, scale, fp8_dtype, 
                     amax_compute_algo, window, bool(update_scale))
 
 
+# --------------------------------------------------------------------------- one quantize per tensor
+def _share_settings(config, history, group):
+    """What a per-tensor-scaled FP8 copy of x depends on besides x: the
+    sharing key (``torch_ops.sharing``) of a linear's input."""
+    return ("per_tensor", config.scaling, config.forward_dtype, config.margin, config.amax_compute_algo,
+            history.numel(), None if group is None else id(group))
+
+
+def _record_shared(config, history, scale, amax, scale_used):
+    """Records the amax of a copy another linear made in this linear's state,
+    as its own quantize would have: delayed scaling records it and moves the
+    scale to the window (the fallback where the window is unusable is the
+    state's scale, which is what its own call would have used then); current
+    scaling stores the scale the copy was made with, or keeps its own where
+    the amax defines none."""
+    if config.scaling == "delayed":
+        ops.record_amax(history, scale, amax, config.forward_dtype, config.margin, config.amax_compute_algo, False)
+        return
+    usable = torch.isfinite(amax) & (amax > 0)
+    scale.copy_(torch.where(usable, scale_used.reshape(()), scale.reshape(())).reshape(scale.shape))
+
+
+def _quantize_input(config, x, x2d, state, transpose, record, training):
+    """x's ``(q, q_t, scale_used, amax)``: taken from the linear that
+    quantized the same tensor with the same settings before (its amax then
+    recorded here, when ``record``), else made here and left for the next."""
+    history, scale = state.input_amax_history, state.input_scale
+    settings = None
+    if config.share_quantized_inputs:
+        group = distributed.reduction_group() if training else None
+        settings = _share_settings(config, history, group)
+        shared = sharing.lookup(x, settings, history, transpose)
+        if shared is not None:
+            if record:
+                _record_shared(config, history, scale, shared[3], shared[2])
+            return shared
+    q, qt, scale_used, amax = _quantize(config, x2d.detach(), history, scale, config.forward_dtype, transpose, record,
+                                        True, reduce=training)
+    out = (q, qt if transpose else None, scale_used, amax)
+    if settings is not None:
+        sharing.store(x, settings, history, out)
+    return out
+
+
+def _quantize_input_tiles(config, x, x2d, transpose):
+    """x's block-scaled copies ``(q, q_t, scales, scales_t)``: 1 x 128 tiles
+    along K, and (``transpose``) x^T in tiles along M (else None, None).
+    They depend on x alone: taken from an earlier linear where it made them
+    with the same settings, else made here and left for the next."""
+    settings = None
+    if config.share_quantized_inputs:
+        settings = ("block", config.forward_dtype, config.margin, config.power_of_two)
+        shared = sharing.lookup(x, settings, None, transpose)
+        if shared is not None:
+            return shared
+    dt, margin, pow2 = config.forward_dtype, config.margin, config.power_of_two
+    xd = x2d.detach()
+    qx, sx = ops.quantize_tiles(xd, dt, False, margin, pow2)
+    qxt, sxt = ops.quantize_tiles(xd, dt, True, margin, pow2) if transpose else (None, None)
+    out = (qx, qxt, sx, sxt)
+    if settings is not None:
+        sharing.store(x, settings, None, out)
+    return out
+
+
 # --------------------------------------------------------------------------- the ops route
 def _quantize(config, x, history, scale, dt, transpose, record, write_q, reduce=False):
     """(q, q_t, scale_used, amax) in the GEMM-ready layouts. Training calls
@@ -458,8 +534,7 @@ def _python_fp8_linear(x, weight, bias, state, config, training, sink):
     fwd_dt = config.forward_dtype
     record = bool(training) and not _recomputing()
     s = state
-    qx, qxt, sx, _ = _quantize(config, x2d.detach(), s.input_amax_history, s.input_scale, fwd_dt, need_dw, record,
-                               True, reduce=bool(training))
+    qx, qxt, sx, _ = _quantize_input(config, x, x2d, s, need_dw, record, bool(training))
     # A weight FSDP2 gathered in FP8 comes quantized (its state recorded at the gather).
     fp8_weight = gathered.fp8_operands(weight, in_out, need_dx)
     if fp8_weight is not None:
@@ -533,16 +608,16 @@ class _BlockLinearFunction(torch.autograd.Function):
     contraction of each GEMM, the weight in 128 x 128 blocks, every scale from
     its tile's own values (no state). The weight's two orientations come from
     one quantize (its bytes and their transpose, one set of block scales);
-    x's 128 x 1 tiles (along M, for dW) are quantized in the forward."""
+    x comes quantized (``_quantize_input_tiles``: 1 x 128 tiles along K, and
+    along M for dW)."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, sink, config, need_dx, need_dw):
+    def forward(ctx, x2d, weight, bias, sink, config, need_dx, need_dw, qx, sx, qxt, sxt):
         fwd_dt, margin, pow2 = config.forward_dtype, config.margin, config.power_of_two
         ctx.config = config
         ctx.has_bias = bias is not None
         ctx.has_sink = sink is not None
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
-        qx, sx = ops.quantize_tiles(x2d, fwd_dt, False, margin, pow2)
         qw, qwt, sw = ops.quantize_blocks(weight.detach(), fwd_dt, margin, pow2)
         # The forward's b is the weight as (N, K); dX's as (K, N).
         if config.in_out:  # weight (K, N): q (K, N), q_t (N, K), scales (Kb, Nb)
@@ -551,10 +626,7 @@ class _BlockLinearFunction(torch.autograd.Function):
             w_fwd, s_fwd, w_bwd, s_bwd = qw, sw, qwt, sw.t()
         y = ops.block_gemm(qx, sx, w_fwd, s_fwd, False, None if bias is None else bias.to(x2d.dtype), x2d.dtype)
         saved = [w_bwd, s_bwd] if need_dx else [None, None]
-        if need_dw:
-            saved += list(ops.quantize_tiles(x2d, fwd_dt, True, margin, pow2))  # x^T (K, M) in tiles along M
-        else:
-            saved += [None, None]
+        saved += [qxt, sxt] if need_dw else [None, None]  # x^T (K, M) in tiles along M
         ctx.save_for_backward(*saved)
         return y
 
@@ -580,7 +652,7 @@ class _BlockLinearFunction(torch.autograd.Function):
         if ctx.has_sink:
             ga = g2d.abs().amax().to(torch.float32)
             dsink = torch.where(torch.isfinite(ga), ga, torch.zeros_like(ga))
-        return dx, dw, db, dsink, None, None, None
+        return (dx, dw, db, dsink) + (None,) * 7
 
 
 def _block_fp8_linear(x, weight, bias, config, sink):
@@ -592,18 +664,20 @@ def _block_fp8_linear(x, weight, bias, config, sink):
     need_dw = grad_on and weight.requires_grad
     needs_graph = grad_on and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
                                or sink is not None)
+    qx, qxt, sx, sxt = _quantize_input_tiles(config, x, x2d, need_dw)
     if needs_graph:
-        out = _BlockLinearFunction.apply(x2d, wd, bias, sink, config, need_dx, need_dw)
+        out = _BlockLinearFunction.apply(x2d, wd, bias, sink, config, need_dx, need_dw, qx, sx, qxt, sxt)
     else:
         with torch.no_grad():
-            out = _BlockLinearFunction.forward(_NoContext(), x2d, wd, bias, None, config, need_dx, need_dw)
+            out = _BlockLinearFunction.forward(_NoContext(), x2d, wd, bias, None, config, need_dx, need_dw, qx, sx,
+                                               qxt, sxt)
     return out.reshape(*x.shape[:-1], n)
 
 
 class _NoContext:
     """Stands in for autograd's ctx when no graph is recorded."""
 
-    needs_input_grad = (False, False, False, False, False, False, False)
+    needs_input_grad = (False,) * 11
 
     def save_for_backward(self, *tensors):
         pass

@@ -2,14 +2,18 @@
 
 Each backend module provides:
 
-    fp8_matmul(layer, x, kernel, bias, config, training, kernel_layout) -> y
+    fp8_matmul(layer, x, kernel, bias, config, training, kernel_layout, source=None) -> y
         `y = x @ kernel (+ bias)` for `x` of shape `(M, K)` and `kernel` of
         shape `(K, N)` (`kernel_layout="in_out"`) or `y = x @ kernel^T (+
         bias)` for a kernel stored `(N, K)` (`"out_in"`: read as stored, no
         transposed copy; its gradient `(N, K)` too), both quantized to the
         recipe's forward format, with a
         backward pass that quantizes the output gradient once (the backward
-        format) for both gradient matmuls. It reads and (when training)
+        format) for both gradient matmuls. Layers reading the same tensor
+        quantize it once (docs/numerics.md, "One quantize per tensor"):
+        `source`, `(inputs, layout)`, names the tensor `x` was made from and
+        how (None: not shared; the kernel's layout plays no part, sharing
+        is about x). It reads and (when training)
         updates the layer's FP8 state variables (public attributes of the
         layer), and returns the output gradient's amax through the gradient
         of `grad_amax_pending` (see `keras_fp8/layers/fp8_state.py`).

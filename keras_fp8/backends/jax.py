@@ -42,6 +42,7 @@ from keras_fp8 import compat
 from keras_fp8 import numerics
 from keras_fp8 import recipes
 from keras_fp8.backends import jax_gemm
+from keras_fp8.backends import jax_sharing
 
 FUSED = "fused"
 XLA = "xla"
@@ -310,37 +311,40 @@ def _protos(x, kernel, bias):
 
 
 # --------------------------------------------------------------------------- per-tensor scaling
-def _per_tensor_forward(route_name, x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history, recipe,
-                        has_bias, out_in):
-    fmt = recipe.forward_format
-    x_op = _quantize(route_name, x, x_scale, x_history, fmt, recipe)
+def _per_tensor_forward(route_name, x_op, kernel, bias, kernel_scale, kernel_history, recipe, has_bias, out_dtype,
+                        out_in):
     # An `(N, K)` kernel is quantized as stored (the same elements, so the
     # same amax and bytes) and read transposed: on the FUSED route the
     # quantize wrote that layout too; elsewhere its FP8 bytes are transposed.
-    kernel_op = _quantize(route_name, kernel, kernel_scale, kernel_history, fmt, recipe)
-    y = _product(route_name, x_op, _transposed(route_name, kernel_op) if out_in else kernel_op, x.dtype,
+    kernel_op = _quantize(route_name, kernel, kernel_scale, kernel_history, recipe.forward_format, recipe)
+    y = _product(route_name, x_op, _transposed(route_name, kernel_op) if out_in else kernel_op, out_dtype,
                  bias if has_bias else None)
-    return (y, x_op.amax, kernel_op.amax, x_op.scale, kernel_op.scale), (x_op, kernel_op)
+    return (y, kernel_op.amax, kernel_op.scale), kernel_op
 
 
 # A per-tensor-scaled layer product by one route: `numerics`' quantize and
-# scale rules, `docs/numerics.md`'s three GEMMs. `bias` is a `(N,)` tensor
-# where `has_bias`, else an unused placeholder; the kernel is `(K, N)`, or
-# `(N, K)` where `out_in` (its gradient then `(N, K)` too). Returns `(y,
-# x_amax, kernel_amax, x_scale_used, kernel_scale_used)`; the caller records
-# the amaxes (`_record_scale`).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13, 14))
-def _per_tensor_product(x, kernel, bias, pending, x_scale, x_history, kernel_scale, kernel_history, grad_scale,
+# scale rules, `docs/numerics.md`'s three GEMMs. x arrives quantized
+# (`x_q`, its transpose `x_q_t` where the route wrote it, `x_scale` the
+# scale it used: `_quantize_input`, perhaps another layer's copy of the
+# same tensor); `x` itself only receives its gradient. `bias` is a `(N,)`
+# tensor where `has_bias`, else an unused placeholder; the kernel is
+# `(K, N)`, or `(N, K)` where `out_in` (its gradient then `(N, K)` too).
+# Returns `(y, kernel_amax, kernel_scale_used)`; the caller records the
+# amaxes (`_record_scale`).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12, 13, 14, 15))
+def _per_tensor_product(x, x_q, x_q_t, x_scale, kernel, bias, pending, kernel_scale, kernel_history, grad_scale,
                         grad_history, emit_token, route_name, recipe, has_bias, out_in):
-    outputs, _ = _per_tensor_forward(route_name, x, kernel, bias, x_scale, x_history, kernel_scale, kernel_history,
-                                     recipe, has_bias, out_in)
+    x_op = _Quantized(x_q, x_q_t, None, x_scale)
+    outputs, _ = _per_tensor_forward(route_name, x_op, kernel, bias, kernel_scale, kernel_history, recipe, has_bias,
+                                     x.dtype, out_in)
     return outputs
 
 
-def _per_tensor_product_fwd(x, kernel, bias, pending, x_scale, x_history, kernel_scale, kernel_history, grad_scale,
+def _per_tensor_product_fwd(x, x_q, x_q_t, x_scale, kernel, bias, pending, kernel_scale, kernel_history, grad_scale,
                             grad_history, emit_token, route_name, recipe, has_bias, out_in):
-    outputs, (x_op, kernel_op) = _per_tensor_forward(route_name, x, kernel, bias, x_scale, x_history, kernel_scale,
-                                                     kernel_history, recipe, has_bias, out_in)
+    x_op = _Quantized(x_q, x_q_t, None, x_scale)
+    outputs, kernel_op = _per_tensor_forward(route_name, x_op, kernel, bias, kernel_scale, kernel_history, recipe,
+                                             has_bias, x.dtype, out_in)
     # On the FUSED route the backward's GEMMs read x's transposed layout
     # (dkernel) and, for dx, a `(K, N)` kernel's own layout or an `(N, K)`
     # one's transpose: only those are kept. Elsewhere the backward
@@ -348,15 +352,15 @@ def _per_tensor_product_fwd(x, kernel, bias, pending, x_scale, x_history, kernel
     if route_name == FUSED:
         x_op = x_op._replace(q=None)
         kernel_op = kernel_op._replace(q=None) if out_in else kernel_op._replace(q_t=None)
-    saved = (x_op._replace(amax=None), kernel_op._replace(amax=None))
-    state = (x_scale, x_history, kernel_scale, kernel_history, grad_scale, grad_history, emit_token)
+    saved = (x_op, kernel_op._replace(amax=None))
+    state = (kernel_scale, kernel_history, grad_scale, grad_history, emit_token)
     return outputs, (saved, state, _protos(x, kernel, bias))
 
 
 def _per_tensor_product_bwd(route_name, recipe, has_bias, out_in, residuals, cotangents):
     grad = _as_stored(cotangents[0])
     (x_op, kernel_op), state, (x_proto, kernel_proto, bias_proto) = residuals
-    grad_scale, grad_history, emit_token = state[4:]
+    grad_scale, grad_history, emit_token = state[2:]
     grad_op = _quantize(route_name, grad, grad_scale, grad_history, recipe.backward_format, recipe, gradient=True)
     if out_in:  # dx = g @ W, dW = g^T @ x: `(N, K)` as the kernel
         dx = _product(route_name, grad_op, kernel_op, x_proto.dtype, backward=True)
@@ -365,7 +369,10 @@ def _per_tensor_product_bwd(route_name, recipe, has_bias, out_in, residuals, cot
         dx = _product(route_name, grad_op, _transposed(route_name, kernel_op), x_proto.dtype, backward=True)
         dkernel = _product(route_name, _transposed(route_name, x_op), grad_op, kernel_proto.dtype, backward=True)
     dpending = numerics.pending_cotangent(grad_op.amax, emit_token)
-    return (dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending) + tuple(jnp.zeros_like(v) for v in state)
+    # x's quantized copy gets no cotangent (None: a symbolic zero): it is
+    # made from x without a gradient, which reaches x as dx.
+    return ((dx, None, None, None, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending)
+            + tuple(jnp.zeros_like(v) for v in state))
 
 
 _per_tensor_product.defvjp(_per_tensor_product_fwd, _per_tensor_product_bwd)
@@ -386,16 +393,19 @@ def _record_scale(layer, role, amax, fmt, recipe):
 # A block-scaled layer product by one route (`numerics.block_forward` and
 # `block_backward`): no input or kernel state; the gradient channel still
 # carries the output gradient's amax.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _block_product(x, kernel, bias, pending, emit_token, route_name, recipe, has_bias, out_in):
+# x arrives quantized (`x_tiles`: `numerics.block_quantize_input`'s, perhaps
+# another layer's copy of the same tensor); `x` only receives its gradient.
+# The kernel is `(K, N)`, or `(N, K)` where `out_in`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _block_product(x, x_tiles, kernel, bias, pending, emit_token, route_name, recipe, has_bias, out_in):
     y, _ = numerics.block_forward(x, kernel, recipe, bias if has_bias else None, matmul=_block_matmul(route_name),
-                                  kernel_out_in=out_in)
+                                  kernel_out_in=out_in, x_tiles=x_tiles)
     return y
 
 
-def _block_product_fwd(x, kernel, bias, pending, emit_token, route_name, recipe, has_bias, out_in):
+def _block_product_fwd(x, x_tiles, kernel, bias, pending, emit_token, route_name, recipe, has_bias, out_in):
     y, residuals = numerics.block_forward(x, kernel, recipe, bias if has_bias else None,
-                                          matmul=_block_matmul(route_name), kernel_out_in=out_in)
+                                          matmul=_block_matmul(route_name), kernel_out_in=out_in, x_tiles=x_tiles)
     return y, (residuals, emit_token, _protos(x, kernel, bias))
 
 
@@ -405,7 +415,7 @@ def _block_product_bwd(route_name, recipe, has_bias, out_in, saved, grad):
     dx, dkernel, _ = numerics.block_backward(grad, residuals, emit_token, recipe, x_proto.dtype, kernel_proto.dtype,
                                              matmul=_block_matmul(route_name), kernel_out_in=out_in)
     dpending = numerics.pending_cotangent(_amax(grad), emit_token)
-    return dx, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending, jnp.zeros_like(emit_token)
+    return dx, None, dkernel, _bias_grad(grad, has_bias, bias_proto), dpending, jnp.zeros_like(emit_token)
 
 
 _block_product.defvjp(_block_product_fwd, _block_product_bwd)
@@ -440,7 +450,38 @@ def fold_pending_grad_amax(layer, recipe):
     _fold_grad_state(layer, recipe, True)
 
 
-def fp8_matmul(layer, x, kernel, bias, recipe, training, kernel_layout=IN_OUT):
+# --------------------------------------------------------------------------- one quantize per tensor
+def _quantize_input(layer, route_name, x, recipe, source):
+    """x quantized for the layer's products: `_Quantized` (per-tensor
+    recipes) or `numerics.block_quantize_input`'s tiles. Taken from an
+    earlier layer of this trace that quantized the same tensor the same way
+    with the same settings (`jax_sharing`; docs/numerics.md, "One quantize
+    per tensor"), else made here (without a gradient: x's reaches it as dx)
+    and left for the next."""
+    share = recipe.share_quantized_inputs and source is not None
+    block = isinstance(recipe, recipes.BlockScaling)
+    settings = (recipe.name, route_name, recipe.forward_format, recipe.margin, tuple(x.shape), jnp.dtype(x.dtype))
+    if block:
+        settings += (recipe.power_of_two,)
+    else:
+        settings += (getattr(recipe, "amax_compute_algo", None), tuple(layer.input_amax_history.shape))
+    consumer = None if block else layer
+    if share:
+        shared = jax_sharing.lookup(source, settings, consumer)
+        if shared is not None:
+            return shared
+    x = jax.lax.stop_gradient(x)
+    if block:
+        made = numerics.block_quantize_input(x, recipe)
+    else:
+        made = _quantize(route_name, x, layer.input_scale.value, layer.input_amax_history.value,
+                         recipe.forward_format, recipe)
+    if share:
+        jax_sharing.store(source, settings, consumer, made)
+    return made
+
+
+def fp8_matmul(layer, x, kernel, bias, recipe, training, kernel_layout=IN_OUT, source=None):
     """See `keras_fp8.backends`."""
     x = _as_stored(x)
     out_in = kernel_layout == OUT_IN
@@ -450,14 +491,16 @@ def fp8_matmul(layer, x, kernel, bias, recipe, training, kernel_layout=IN_OUT):
     bias_value = ops.cast(bias, x.dtype) if has_bias else jnp.zeros((), x.dtype)
     pending = compat.raw_value(layer.grad_amax_pending)
     emit_token = ops.stop_gradient(emit_token)
+    x_fp8 = _quantize_input(layer, route_name, x, recipe, source)
     if isinstance(recipe, recipes.BlockScaling):
-        return _block_product(x, kernel, bias_value, pending, emit_token, route_name, recipe, has_bias, out_in)
-    y, x_amax, kernel_amax, _, _ = _per_tensor_product(
-        x, kernel, bias_value, pending, layer.input_scale.value, layer.input_amax_history.value,
-        layer.kernel_scale.value, layer.kernel_amax_history.value, ops.stop_gradient(grad_scale),
-        ops.stop_gradient(grad_history), emit_token, route_name, recipe, has_bias, out_in)
+        return _block_product(x, x_fp8, kernel, bias_value, pending, emit_token, route_name, recipe, has_bias,
+                              out_in)
+    y, kernel_amax, _ = _per_tensor_product(
+        x, x_fp8.q, x_fp8.q_t, x_fp8.scale, kernel, bias_value, pending, layer.kernel_scale.value,
+        layer.kernel_amax_history.value, ops.stop_gradient(grad_scale), ops.stop_gradient(grad_history), emit_token,
+        route_name, recipe, has_bias, out_in)
     if training:
-        for role, amax in (("input", x_amax), ("kernel", kernel_amax)):
+        for role, amax in (("input", x_fp8.amax), ("kernel", kernel_amax)):
             _record_scale(layer, role, amax, recipe.forward_format, recipe)
     return y
 

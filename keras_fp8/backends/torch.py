@@ -64,6 +64,7 @@ def linear_config(recipe, min_gemm_size, kernel_layout="in_out"):
         power_of_two=getattr(recipe, "power_of_two", False),
         weight_layout=kernel_layout,
         min_gemm_size=min_gemm_size,
+        share_quantized_inputs=recipe.share_quantized_inputs,
     )
 
 
@@ -78,13 +79,14 @@ def _variable_reader():
     return compat.raw_value if compat.in_stateless_scope() else compat.stored_value
 
 
-def fp8_matmul(layer, x, kernel, bias, config, training, kernel_layout="in_out"):
+def fp8_matmul(layer, x, kernel, bias, config, training, kernel_layout="in_out", source=None):
     """See `keras_fp8.backends`: `torch_ops.fp8_linear` on the layer's FP8
     state variables (the gradient channel included), whose bias is added in
     x's dtype (fused into the GEMM). `bias` is the layer's bias variable or
     a tensor made from it (`FP8EinsumDense`'s bias as the GEMM's columns).
     The kernel's layout is `config`'s (`linear_config`, made with the
-    layer's `kernel_layout`)."""
+    layer's `kernel_layout`). `source` is not needed: torch_ops finds the
+    tensor a view `x` was made from itself (`torch_ops.sharing`)."""
     value = _variable_reader()
     state = torch_ops.FP8LinearState(
         value(layer.input_scale),

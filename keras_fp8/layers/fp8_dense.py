@@ -79,7 +79,7 @@ class FP8Dense(FP8StateMixin, keras.layers.Dense):
         x = inputs if flat else ops.reshape(inputs, (-1, self._kernel.shape[0]))
         y = self._fp8_matmul(
             x, self._raw_value(self._kernel), config, bool(training),
-            bias=self.bias,
+            bias=self.bias, source=(inputs, None),
         )
         if not flat:
             y = ops.reshape(y, tuple(ops.shape(inputs)[:-1]) + (self.units,))

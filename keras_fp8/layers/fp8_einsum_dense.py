@@ -240,17 +240,21 @@ class FP8EinsumDense(FP8StateMixin, keras.layers.EinsumDense):
         quantization) and writes float32.
         """
         kernel = self._raw_value(self._kernel)
+        # x2d is inputs transposed by the plan, then reshaped: the layout
+        # layers reading the same inputs must share to share x2d's copy
+        # (the widened x2d below is keyed by its dtype as well).
+        source = (inputs, tuple(self._plan.x_perm))
         if self.bias is None or self._bias_columns is not None:
             bias = None if self.bias is None else self._gemm_bias()
 
             def matmul(x2d, kernel2d):
-                return self._fp8_matmul(x2d, kernel2d, config, training, bias=bias)
+                return self._fp8_matmul(x2d, kernel2d, config, training, bias=bias, source=source)
 
             return self._plan.call(matmul, inputs, kernel)
         dtype = keras.backend.standardize_dtype(inputs.dtype)
 
         def matmul_float32(x2d, kernel2d):
-            return self._fp8_matmul(ops.cast(x2d, "float32"), kernel2d, config, training)
+            return self._fp8_matmul(ops.cast(x2d, "float32"), kernel2d, config, training, source=source)
 
         y = self._plan.call(matmul_float32, inputs, kernel)
         # The bias in the compute dtype, added in float32 (as the epilogue

@@ -368,7 +368,7 @@ class FP8StateMixin:
     # Dense) or `(N, K)` ("out_in", a tied embedding matrix, read as stored).
     _kernel_layout = "in_out"
 
-    def _fp8_matmul(self, x, kernel, config, training, bias=None):
+    def _fp8_matmul(self, x, kernel, config, training, bias=None, source=None):
         """`x @ kernel (+ bias)` with FP8 operands; updates the state if training.
 
         Args:
@@ -379,12 +379,18 @@ class FP8StateMixin:
             training: Whether to record amaxes and fold the gradient amax.
             bias: Optional `(N,)` bias variable, added to the output (fused
                 into the GEMM where the backend can).
+            source: `(inputs, layout)`: the tensor the layer was called on
+                and a hashable description of how `x` was made from it, so
+                that layers reading the same tensor quantize it once
+                (docs/numerics.md, "One quantize per tensor"); None: `x`
+                is not shared.
 
         Returns:
             `(M, N)` tensor in `x`'s dtype.
         """
         with _state_lock(self, training):
-            y = backends.get().fp8_matmul(self, x, kernel, bias, config, bool(training), self._kernel_layout)
+            y = backends.get().fp8_matmul(self, x, kernel, bias, config, bool(training), self._kernel_layout,
+                                          source)
         observer = self._gemm_observer
         return y if observer is None else observer(self, x, y)
 

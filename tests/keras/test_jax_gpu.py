@@ -441,10 +441,13 @@ def test_fused_path_matches_the_emulation(recipe_name, mkn, use_bias):
         assert jax_backend.route(x, kernel, recipe) == jax_backend.FUSED
 
         def run(x, kernel, bias):
-            out = jax_backend._per_tensor_product(x, kernel, bias, jnp.zeros((3,), jnp.float32), *states[0],
-                                                  *states[1], *states[2], jnp.float32(0.0), jax_backend.FUSED, recipe,
-                                                  use_bias, False)
-            return out
+            # x is quantized before the product (fp8_matmul's _quantize_input).
+            x_op = jax_backend._quantize(jax_backend.FUSED, jax.lax.stop_gradient(x), *states[0],
+                                         recipe.forward_format, recipe)
+            y, k_amax, k_used = jax_backend._per_tensor_product(
+                x, x_op.q, x_op.q_t, x_op.scale, kernel, bias, jnp.zeros((3,), jnp.float32), *states[1], *states[2],
+                jnp.float32(0.0), jax_backend.FUSED, recipe, use_bias, False)
+            return y, x_op.amax, k_amax, x_op.scale, k_used
 
         outputs, vjp = jax.vjp(jax.jit(run), x, kernel, bias)
         dx, dkernel, _ = vjp((grad,) + tuple(jnp.zeros_like(o) for o in outputs[1:]))
