@@ -101,7 +101,7 @@ def summary(model, print_fn=None):
     for name, layer in zip(layer_names(layers), layers):
         runs, dims, limit = layer.fp8_execution()
         recipe = layer.active_recipe()
-        kernel = "x".join(str(d) for d in layer._kernel.shape) if layer.built else "-"
+        kernel = "x".join(str(d) for d in layer.fp8_kernel().shape) if layer.built else "-"
         gemm = "-" if dims is None else "x".join("?" if d is None else str(d) for d in dims)
         scales = (
             [f"{float(ops.convert_to_numpy(getattr(layer, f'{role}_scale'))):.3e}" for role in ROLES]

@@ -324,6 +324,13 @@ class FP8StateMixin:
         limit = self._min_gemm_size(policy)
         return backends.get().default_min_gemm_size(like) if limit is None else limit
 
+    def fp8_kernel(self):
+        """The variable the layer's FP8 matmul quantizes (Dense's and
+        EinsumDense's stored kernel, without a LoRA update; a
+        ReversibleEmbedding's projection matrix), for the monitor and
+        `keras_fp8.summary`."""
+        return self._kernel
+
     def active_recipe(self, or_built=False):
         """The recipe a call would take now: an `autocast` scope's, else the
         layer's own or its policy's; None where the layer runs without FP8

@@ -63,7 +63,7 @@ def joined(tensors):
 def layer_state(layer):
     """The values the statistics of one layer read: its FP8 state and its kernel."""
     state = {name: compat.raw_value(getattr(layer, name)) for name in _STATE_NAMES}
-    state["kernel"] = compat.raw_value(layer._kernel)
+    state["kernel"] = compat.raw_value(layer.fp8_kernel())
     return state
 
 
