@@ -135,10 +135,15 @@ def _deposit(y, q, scale_used, amax, link, history, scale, versions, transpose):
         sharing.deposit(view, link.settings, payload, history, scale, versions)
 
 
-def _note(y, producer):
+def note(y, producer):
+    """Records that ``producer`` made ``y`` (computed unfused), so that the
+    FP8 linear reading it can link itself; returns ``y``."""
     if producer is not None:
         sharing.note_produced(y, producer)
     return y
+
+
+_note = note
 
 
 # --------------------------------------------------------------------------- scaled rows (a norm's last step)
