@@ -96,6 +96,47 @@ void record_amax(const at::Tensor& history, const at::Tensor& scale, const at::T
   torch_ops::record_amax_launch(history, scale, amax, fmt, algo, mdiv, skip_zero);
 }
 
+// The optional delayed-scaling history of a producer call: float32, 1-D,
+// contiguous, non-empty, next to x.
+void check_history(const c10::optional<at::Tensor>& history, const at::Tensor& x) {
+  if (history.has_value() && history->defined()) {
+    check_f32(*history, "amax_history", x, false);
+    TORCH_CHECK(history->numel() > 0, "amax_history: expected a non-empty history");
+  }
+}
+
+using Out4y = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Out4y scaled_rows_quantize(const at::Tensor& x, const at::Tensor& row_mul, const at::Tensor& weight,
+                           at::ScalarType out_dtype, const c10::optional<at::Tensor>& history,
+                           const at::Tensor& scale, int fmt, double mdiv, bool pad) {
+  check_x(x);
+  torch_ops::check_f32_state(row_mul, "row_mul", x, x.size(0), true);
+  torch_ops::check_f32_state(weight, "weight", x, x.size(1), true);
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
+              "out_dtype: expected bfloat16, float16 or float32, got ", out_dtype);
+  check_history(history, x);
+  check_f32(scale, "scale", x, true);
+  return torch_ops::scaled_rows_quantize_launch(x, row_mul, weight, out_dtype, history, scale, fmt, mdiv, pad);
+}
+
+Out4y gated_quantize(const at::Tensor& gate, const c10::optional<at::Tensor>& up, int activation,
+                     const c10::optional<at::Tensor>& history, const at::Tensor& scale, int fmt, double mdiv,
+                     bool pad) {
+  check_x(gate);
+  if (up.has_value() && up->defined()) {
+    TORCH_CHECK(up->device() == gate.device(), "up: expected device ", gate.device(), ", got ", up->device());
+    TORCH_CHECK(up->scalar_type() == gate.scalar_type(), "up: expected ", gate.scalar_type(), " like gate, got ",
+                up->scalar_type());
+    TORCH_CHECK(up->sizes() == gate.sizes(), "up: expected gate's shape ", torch_ops::shape_str(gate), ", got ",
+                torch_ops::shape_str(*up));
+    TORCH_CHECK(up->is_contiguous(), "up: expected a contiguous tensor");
+  }
+  check_history(history, gate);
+  check_f32(scale, "scale", gate, true);
+  return torch_ops::gated_quantize_launch(gate, up, activation, history, scale, fmt, mdiv, pad);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -150,6 +191,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return py::cast(out);
       },
       "a, a_scales, b, b_scales, b_tiles, bias, out_dtype -> a @ b^T block-scaled (None: no cuBLASLt kernel)");
+  m.def("scaled_rows_quantize", &scaled_rows_quantize,
+        "x, row_mul, weight, out_dtype, history, scale, fmt, mdiv, pad -> (y, q, scale_used, amax)");
+  m.def("gated_quantize", &gated_quantize,
+        "gate, up, activation, history, scale, fmt, mdiv, pad -> (y, q, scale_used, amax)");
   m.def("fold_grad_amax", &torch_ops::fold_grad_amax,
         "pending, fold_state, history, scale, inv_max, mdiv, algo, window, update_scale -> (token, scale, history)");
 }

@@ -178,4 +178,18 @@ std::vector<c10::optional<at::Tensor>> linear(
     const std::vector<at::Tensor>& state, const c10::optional<at::Tensor>& grad_amax_pending,
     const c10::optional<at::Tensor>& grad_fold_state, const LinearOptions& options, bool training, bool record_inputs,
     bool autotune, const std::vector<c10::optional<at::Tensor>>& x_fp8, bool return_x_fp8);
+
+// ---------------------------------------------------------------------------
+// producers.cu: fused producers (a norm's last step, a gated activation)
+// writing y, its FP8 copy (rows padded to 16 bytes with `pad`) and its amax.
+// `history` given: the scale is a linear's delayed-scaling state (`scale`),
+// seeded from y's amax while the history is empty; else `scale` as given.
+// Returns {y, q, scale_used, amax}. Every argument checked by the caller
+// (bindings.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scaled_rows_quantize_launch(
+    const at::Tensor& x, const at::Tensor& row_mul, const at::Tensor& weight, at::ScalarType out_dtype,
+    const c10::optional<at::Tensor>& history, const at::Tensor& scale, int fmt, double mdiv, bool pad);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_quantize_launch(
+    const at::Tensor& gate, const c10::optional<at::Tensor>& up, int activation,
+    const c10::optional<at::Tensor>& history, const at::Tensor& scale, int fmt, double mdiv, bool pad);
 }  // namespace torch_ops

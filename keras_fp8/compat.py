@@ -1,8 +1,8 @@
 """Every place keras-fp8 touches Keras's internals, each with the reason.
 
-Keras's public API has no hook for the eleven things below that keras-fp8
+Keras's public API has no hook for the twelve things below that keras-fp8
 needs, so this module patches them (at `import keras_fp8`, idempotently; 7 to
-10 on the torch backend only; 11 on the optimizers `keras_fp8.compile_optimizer`
+10 and 12 on the torch backend only; 11 on the optimizers `keras_fp8.compile_optimizer`
 is given, only; each is harmless to code that keeps to Keras's public API),
 and it holds every
 private Keras name the package uses, so that a Keras upgrade is checked here
@@ -106,12 +106,25 @@ Compiled training on torch (`jit_compile=True`, `keras_fp8.compile_blocks`):
    number would be a constant of the compiled code (a recompilation at every
    change). Both methods are Keras's own where the update is traced by an
    enclosing compilation (`jit_compile=True`) or runs in a stateless scope.
+12. keras_hub's `LlamaLayerNorm.call`, `LlamaTransformerDecoder.call` and
+   the `ops` its decoder module calls (torch only; where keras_hub is
+   installed). The norm before Q, K and V and the gated FFN's product before
+   the down projection are plain keras.ops code inside keras_hub's layers,
+   with no hook: to write their output and the FP8 layer's input in one pass
+   (fused producers, docs/numerics.md) the norm's call and the decoder
+   module's `ops.multiply` (its only use: the FFN's `up * act(gate)`) are
+   routed through `keras_fp8.backends.torch_producers` (applied when an FP8
+   layer builds on torch, once keras_hub is imported), which runs
+   keras_hub's own code wherever no FP8 layer has linked itself, and the
+   same bits where one has. The decoder's call only marks, per thread, which
+   decoder's FFN the product belongs to.
 """
 
 import contextlib
 import functools
 import inspect
 import re
+import sys
 import warnings
 
 import keras
@@ -340,6 +353,60 @@ def torch_crossentropy_on_rows():
 
     sparse_categorical_crossentropy._keras_original = keras_loss
     torch_nn.sparse_categorical_crossentropy = sparse_categorical_crossentropy
+
+
+class _DecoderOps:
+    """keras.ops as keras_hub's decoder module sees it (patch 12): every
+    function Keras's own but `multiply`, which goes through the hook."""
+
+    def __init__(self, keras_ops, multiply):
+        self._keras_ops = keras_ops
+        self._multiply = multiply
+
+    def __getattr__(self, name):
+        return getattr(self._keras_ops, name)
+
+    def multiply(self, x1, x2):
+        return self._multiply(x1, x2, self._keras_ops.multiply)
+
+
+def keras_hub_fused_producers(norm_call, decoder_call, ffn_multiply):
+    """Patch 12: keras_hub's `LlamaLayerNorm.call(x)` becomes
+    `norm_call(layer, x, keras_call)`, `LlamaTransformerDecoder.call` becomes
+    `decoder_call(layer, args, kwargs, keras_call)`, and the decoder module's
+    `ops.multiply(x1, x2)` becomes `ffn_multiply(x1, x2, keras_multiply)`.
+    Nothing where keras_hub has not been imported (importing it here would
+    cost every program its import time)."""
+    if "keras_hub" not in sys.modules:
+        return
+    try:
+        from keras_hub.src.models.llama import llama_decoder
+        from keras_hub.src.models.llama import llama_layernorm
+    except ImportError:
+        return
+    norm_cls = llama_layernorm.LlamaLayerNorm
+    if not hasattr(norm_cls.call, "_keras_original"):
+        keras_norm = norm_cls.call
+
+        @functools.wraps(keras_norm)
+        def call(self, x):
+            return norm_call(self, x, keras_norm)
+
+        call._keras_original = keras_norm
+        norm_cls.call = call
+    decoder_cls = llama_decoder.LlamaTransformerDecoder
+    if not hasattr(decoder_cls.call, "_keras_original"):
+        keras_decoder = decoder_cls.call
+
+        # `functools.wraps` keeps the signature Keras inspects (`training`).
+        @functools.wraps(keras_decoder)
+        def decoder(self, *args, **kwargs):
+            return decoder_call(self, args, kwargs, keras_decoder)
+
+        decoder._keras_original = keras_decoder
+        decoder_cls.call = decoder
+    if not isinstance(llama_decoder.ops, _DecoderOps):
+        llama_decoder.ops = _DecoderOps(llama_decoder.ops, ffn_multiply)
 
 
 def _keras_torch_function(module, name):

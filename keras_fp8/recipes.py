@@ -73,6 +73,11 @@ def _check_share_quantized_inputs(value):
         )
 
 
+def _check_bool_field(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"Invalid `{name}`. Expected a bool. Received: {name}={value!r}")
+
+
 def check_min_gemm_size(min_gemm_size):
     """Validates a `min_gemm_size` setting (None or an integer >= 0).
 
@@ -161,6 +166,13 @@ class DelayedScaling(Recipe):
             results wherever the layers' input scales are equal (layers
             trained together have equal histories); docs/numerics.md, "One
             quantize per tensor". False: every layer quantizes its input.
+        fuse_producers: Whether the op before a layer (keras_hub's Llama
+            RMSNorm before Q, K and V, its gated FFN's product before the
+            down projection) writes the layer's FP8 input in the same pass,
+            quantized with the layer's own scale, on torch, with
+            `share_quantized_inputs`. The same bits either way;
+            docs/numerics.md, "Fused producers". On JAX, XLA fuses the
+            quantize into the producer itself and this has no effect.
 
     Example:
 
@@ -174,6 +186,7 @@ class DelayedScaling(Recipe):
     amax_compute_algo: str = "max"
     fp8_format: str = "hybrid"
     share_quantized_inputs: bool = True
+    fuse_producers: bool = True
 
     name = "delayed"
 
@@ -196,6 +209,7 @@ class DelayedScaling(Recipe):
             )
         _check_fp8_format(self.fp8_format)
         _check_share_quantized_inputs(self.share_quantized_inputs)
+        _check_bool_field("fuse_producers", self.fuse_producers)
 
 
 @register_keras_serializable(package="keras_fp8")

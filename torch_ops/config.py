@@ -64,6 +64,11 @@ class LinearConfig:
             settings, instead of quantizing x again (``torch_ops.sharing``;
             docs/numerics.md, "One quantize per tensor"). False: this call
             quantizes x itself and leaves nothing to share.
+        fuse_producers: Whether a call that quantizes x itself links a fused
+            producer that made x (``torch_ops.producers``: a norm or gated
+            activation), which then quantizes its next output for this
+            linear in the same pass (delayed scaling with sharing only;
+            docs/numerics.md, "Fused producers"). The same bits either way.
 
     Raises:
         ValueError: naming the first field that is not one of its accepted
@@ -82,6 +87,7 @@ class LinearConfig:
     weight_layout: str = "out_in"
     min_gemm_size: int | None = None
     share_quantized_inputs: bool = True
+    fuse_producers: bool = True
 
     def __post_init__(self):
         if self.fp8_format not in ref.FP8_FORMATS:
@@ -104,6 +110,7 @@ class LinearConfig:
             raise ValueError(f"weight_layout: expected one of {WEIGHT_LAYOUTS}, got {self.weight_layout!r}")
         settings_lib.check_min_gemm_size(self.min_gemm_size)
         _check_bool("share_quantized_inputs", self.share_quantized_inputs)
+        _check_bool("fuse_producers", self.fuse_producers)
 
     @property
     def forward_dtype(self) -> torch.dtype:

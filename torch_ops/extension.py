@@ -28,7 +28,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 # An installed wheel ships the sources as torch_ops/csrc (pyproject.toml); a
 # source checkout has them at the top level.
 _CSRC = _HERE / "csrc" if (_HERE / "csrc").is_dir() else _HERE.parent / "csrc"
-SOURCES = ("bindings.cpp", "gemm.cpp", "quantize.cu", "fold.cu", "block.cu", "linear.cpp")
+SOURCES = ("bindings.cpp", "gemm.cpp", "quantize.cu", "fold.cu", "block.cu", "linear.cpp", "producers.cu")
 # (compute capability, nvcc target): the GPUs the kernels are built for. FP8
 # tensor cores start at sm_89; sm_90a is Hopper with its arch-specific
 # instructions. A GPU of any other architecture is not served (its FP8

@@ -37,6 +37,7 @@ from . import distributed
 from . import extension
 from . import gathered
 from . import ops
+from . import producers
 from . import reference as ref
 from . import settings as settings_lib
 from . import sharing
@@ -273,13 +274,15 @@ def linear_call(x, weight, bias, state, config, training):
         if config.share_quantized_inputs:
             history = state.input_amax_history
             settings = _share_settings(config, history, None)
-            shared = sharing.lookup(x, settings, history, torch.is_grad_enabled() and weight.requires_grad)
+            shared = sharing.lookup(x, settings, history, torch.is_grad_enabled() and weight.requires_grad,
+                                    state.input_scale)
         out = ext.linear(x, weight, bias, list(state.tensors()), state.grad_amax_pending, state.grad_fold_state,
                          native_options(ext, config), bool(training), not _recomputing(),
                          settings_lib.get_settings().gemm_autotune, [] if shared is None else list(shared),
                          settings is not None and shared is None)
         if settings is not None and shared is None:
             sharing.store(x, settings, state.input_amax_history, tuple(out[1:]))
+            producers.link(x, config, state.input_amax_history, state.input_scale, settings, None)
         return out[0], route
     if state.has_gradient_channel:
         return _folded_linear(x, weight, bias, state, config, training), route
@@ -407,7 +410,7 @@ def _quantize_input(config, x, x2d, state, transpose, record, training):
     if config.share_quantized_inputs:
         group = distributed.reduction_group() if training else None
         settings = _share_settings(config, history, group)
-        shared = sharing.lookup(x, settings, history, transpose)
+        shared = sharing.lookup(x, settings, history, transpose, scale)
         if shared is not None:
             if record:
                 _record_shared(config, history, scale, shared[3], shared[2])
@@ -417,6 +420,7 @@ def _quantize_input(config, x, x2d, state, transpose, record, training):
     out = (q, qt if transpose else None, scale_used, amax)
     if settings is not None:
         sharing.store(x, settings, history, out)
+        producers.link(x, config, history, scale, settings, group)
     return out
 
 

@@ -279,6 +279,65 @@ def _(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype):
     return a.new_empty((a.shape[0], b_t.shape[0]), dtype=out_dtype)
 
 
+# --------------------------------------------------------------------------- fused producers
+# A norm's last step or a gated activation, its output's FP8 copy (rows
+# padded with ``pad``) and amax in one pass (reference: scaled_rows, gated,
+# producer_quantize). ``amax_history`` given: ``scale`` is a linear's
+# delayed-scaling state, seeded from the output's amax while the history is
+# empty; both only read.
+def _producer_layout(q, pad):
+    return _pad_cols(q, _r16(q.shape[1])) if pad else q.contiguous()
+
+
+def _scaled_rows_quantize(x: torch.Tensor, row_mul: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                          amax_history: Optional[torch.Tensor], scale: torch.Tensor, fp8_dtype: torch.dtype,
+                          margin: float, pad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = row_mul.reshape(-1).to(torch.float32).contiguous()
+    w = weight.reshape(-1).to(torch.float32).contiguous()
+    ext = extension.kernels_for(x)
+    if ext is not None:
+        return tuple(ext.scaled_rows_quantize(x, rows, w, out_dtype, amax_history, scale, _FMT_ID[fp8_dtype],
+                                              ref.margin_multiplier(margin), pad))
+    y, q, scale_used, a = ref.rms_norm_quantize(x, rows, w, scale, fp8_dtype, out_dtype, amax_history=amax_history,
+                                                margin=margin)
+    return y, _producer_layout(q, pad), scale_used, a
+
+
+scaled_rows_quantize_op = torch.library.custom_op("torch_ops::scaled_rows_quantize",
+                                                  mutates_args=())(_scaled_rows_quantize)
+
+
+def _fake_producer(x, out_dtype, fp8_dtype, pad):
+    r, c = x.shape
+    return (x.new_empty((r, c), dtype=out_dtype), x.new_empty((r, _r16(c) if pad else c), dtype=fp8_dtype),
+            _scalar_out(x), _scalar_out(x))
+
+
+@scaled_rows_quantize_op.register_fake
+def _(x, row_mul, weight, out_dtype, amax_history, scale, fp8_dtype, margin, pad):
+    return _fake_producer(x, out_dtype, fp8_dtype, pad)
+
+
+def _gated_quantize(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str,
+                    amax_history: Optional[torch.Tensor], scale: torch.Tensor, fp8_dtype: torch.dtype, margin: float,
+                    pad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ext = extension.kernels_for(gate)
+    if ext is not None:
+        return tuple(ext.gated_quantize(gate, up, ref.PRODUCER_ACTIVATION_IDS[activation], amax_history, scale,
+                                        _FMT_ID[fp8_dtype], ref.margin_multiplier(margin), pad))
+    y, q, scale_used, a = ref.glu_quantize(gate, up, activation, scale, fp8_dtype, gate.dtype,
+                                           amax_history=amax_history, margin=margin)
+    return y, _producer_layout(q, pad), scale_used, a
+
+
+gated_quantize_op = torch.library.custom_op("torch_ops::gated_quantize", mutates_args=())(_gated_quantize)
+
+
+@gated_quantize_op.register_fake
+def _(gate, up, activation, amax_history, scale, fp8_dtype, margin, pad):
+    return _fake_producer(gate, gate.dtype, fp8_dtype, pad)
+
+
 # --------------------------------------------------------------------------- calls (direct where plain)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -347,3 +406,16 @@ def block_gemm(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype):
     if plain(a, a_scales, b_t, b_scales, bias):
         return _block_gemm(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype)
     return torch.ops.torch_ops.block_gemm(a, a_scales, b_t, b_scales, b_tiles, bias, out_dtype)
+
+
+def scaled_rows_quantize(x, row_mul, weight, out_dtype, amax_history, scale, fp8_dtype, margin, pad):
+    if plain(x, row_mul, weight, amax_history, scale):
+        return _scaled_rows_quantize(x, row_mul, weight, out_dtype, amax_history, scale, fp8_dtype, margin, pad)
+    return torch.ops.torch_ops.scaled_rows_quantize(x, row_mul, weight, out_dtype, amax_history, scale, fp8_dtype,
+                                                    margin, pad)
+
+
+def gated_quantize(gate, up, activation, amax_history, scale, fp8_dtype, margin, pad):
+    if plain(gate, up, amax_history, scale):
+        return _gated_quantize(gate, up, activation, amax_history, scale, fp8_dtype, margin, pad)
+    return torch.ops.torch_ops.gated_quantize(gate, up, activation, amax_history, scale, fp8_dtype, margin, pad)

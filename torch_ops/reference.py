@@ -363,3 +363,95 @@ def block_gemm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scale
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)
+
+
+# --------------------------------------------------------------------------- fused producers
+# The op before an FP8 linear (a norm, a gated activation) writes its output
+# in the compute dtype and, in the same pass, its FP8 copy and amax for the
+# linear that reads it (docs/numerics.md, "Fused producers"). Each is defined
+# as the composition of the producer's own math, rounded to the output dtype,
+# and ``quantize_with_scale`` of that rounded output: fusing changes no bit.
+PRODUCER_ACTIVATIONS = ("identity", "silu", "gelu_tanh", "gelu")
+# The ids the compiled kernels know the activations by (csrc/producers.cu).
+PRODUCER_ACTIVATION_IDS = {name: i for i, name in enumerate(PRODUCER_ACTIVATIONS)}
+
+
+def producer_activation(x32: torch.Tensor, activation: str) -> torch.Tensor:
+    """``activation`` of float32 ``x32`` in float32, as torch's own functions
+    compute it (Keras's activations on torch call these)."""
+    if activation == "identity":
+        return x32
+    if activation == "silu":
+        return torch.nn.functional.silu(x32)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(x32, approximate="tanh")
+    if activation == "gelu":
+        return torch.nn.functional.gelu(x32)
+    raise ValueError(f"activation: expected one of {PRODUCER_ACTIVATIONS}, got {activation!r}")
+
+
+def scaled_rows(x: torch.Tensor, row_mul: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """A norm's last step: ``((float32(x) * row_mul[r]) * float32(weight[c]))``
+    rounded once to ``out_dtype``.
+
+    ``row_mul`` (one float32 per row: ``1 / rms`` for RMSNorm) comes from the
+    norm's own reduction, computed by the caller exactly as the norm does; the
+    two products are separate float32 roundings, in this order (Llama's and
+    Gemma's RMSNorm: ``x * rsqrt(var + eps)``, then ``* scale``; Gemma passes
+    ``1 + scale`` as ``weight``)."""
+    rows = row_mul.reshape(-1, 1).to(torch.float32)
+    return ((x.to(torch.float32) * rows) * weight.to(torch.float32)).to(out_dtype)
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor | None, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """``round(act(gate)) * up`` rounded once to ``out_dtype`` (SwiGLU,
+    GeGLU; ``up=None``: ``act(gate)`` alone, GELU).
+
+    The activation runs in float32 and is rounded to ``out_dtype`` before the
+    product, as Keras's gated FFNs compute it (Llama: the gate cast to
+    float32, activated, cast back; then ``up * gate`` in the compute dtype,
+    one rounding of an exact float32 product for 16-bit dtypes). With
+    ``"identity"`` the gate comes activated already."""
+    a = producer_activation(gate.to(torch.float32), activation).to(out_dtype)
+    if up is None:
+        return a
+    return (up.to(torch.float32) * a.to(torch.float32)).to(out_dtype)
+
+
+def producer_quantize(y: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *,
+                      amax_history: torch.Tensor | None = None, margin: float = 0.0):
+    """The FP8 copy of a producer's output ``y`` for the linear that reads it.
+
+    Args:
+        y: The producer's output, in its output dtype.
+        scale: The scale to quantize with; with ``amax_history``, the reading
+            linear's delayed-scaling state scale.
+        fp8_dtype: The FP8 dtype.
+        amax_history: The reading linear's input history (read only): while it
+            is empty the scale is seeded from ``y``'s amax, as the linear's own
+            quantize would (``delayed_scale_used``). None: ``scale`` as given.
+        margin: The linear's margin (for the seed).
+
+    Returns:
+        ``(q, scale_used, amax)``: nothing is recorded (the linear records
+        the amax in its own state when it takes the copy).
+    """
+    a = amax(y)
+    if amax_history is None:
+        scale_used = _scalar(scale).clone()
+    else:
+        scale_used = delayed_scale_used(a, amax_history, scale, fp8_dtype, margin).clone()
+    return quantize_with_scale(y, scale_used, fp8_dtype), scale_used, a
+
+
+def rms_norm_quantize(x, row_mul, weight, scale, fp8_dtype, out_dtype, *, amax_history=None, margin=0.0):
+    """``scaled_rows`` then ``producer_quantize``: ``(y, q, scale_used, amax)``."""
+    y = scaled_rows(x, row_mul, weight, out_dtype)
+    return (y, *producer_quantize(y, scale, fp8_dtype, amax_history=amax_history, margin=margin))
+
+
+def glu_quantize(gate, up, activation, scale, fp8_dtype, out_dtype, *, amax_history=None, margin=0.0):
+    """``gated`` then ``producer_quantize``: ``(y, q, scale_used, amax)``
+    (``up=None``: GELU and the like)."""
+    y = gated(gate, up, activation, out_dtype)
+    return (y, *producer_quantize(y, scale, fp8_dtype, amax_history=amax_history, margin=margin))

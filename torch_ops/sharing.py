@@ -40,14 +40,26 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 class _Entry:
-    __slots__ = ("ref", "version", "payload", "consumers", "token")
+    __slots__ = ("ref", "version", "payload", "consumers", "token", "reserved")
 
-    def __init__(self, ref, version, payload, consumer, token):
+    def __init__(self, ref, version, payload, consumer, token, reserved=None):
         self.ref = ref
         self.version = version
         self.payload = payload
         self.consumers = {consumer} if consumer is not None else set()
         self.token = token
+        # A fused producer's deposit (``deposit``): (the reading linear's
+        # history id, its version, a weak reference to its scale, the scale's
+        # version), which only that linear may read first; else None.
+        self.reserved = reserved
+
+
+def _reserved_for(entry, consumer, scale) -> bool:
+    """Whether a reader may take a deposit no one has read yet: the linear it
+    was made for, with the state it was made from, unchanged since."""
+    cid, history_version, scale_ref, scale_version = entry.reserved
+    return (consumer is not None and id(consumer) == cid and consumer._version == history_version
+            and scale is not None and scale is scale_ref() and scale._version == scale_version)
 
 
 _ENTRIES: collections.OrderedDict = collections.OrderedDict()
@@ -74,7 +86,7 @@ def _drop(key, token, entries=_ENTRIES):
         entries.pop(key, None)
 
 
-def lookup(x, settings, consumer, transpose):
+def lookup(x, settings, consumer, transpose, scale=None):
     """The payload an earlier linear left for ``x`` quantized with
     ``settings``, or None.
 
@@ -87,6 +99,9 @@ def lookup(x, settings, consumer, transpose):
             (block scaling): a linear that read the entry already misses.
         transpose: Whether the reader needs the transposed copy
             (``payload[1]``; None where the maker did not write it).
+        scale: The reading linear's input scale tensor: a fused producer's
+            deposit (``deposit``) is taken first only by the linear whose
+            state made it, unchanged since.
 
     Returns:
         The stored payload (``store``'s), or None. A hit makes ``consumer``
@@ -102,6 +117,8 @@ def lookup(x, settings, consumer, transpose):
         if entry is None or entry.ref() is not root or entry.version != x._version:
             return None
         if transpose and entry.payload[1] is None:
+            return None
+        if entry.reserved is not None and not entry.consumers and not _reserved_for(entry, consumer, scale):
             return None
         if consumer is not None:
             cid = id(consumer)
@@ -131,10 +148,77 @@ def store(x, settings, consumer, payload):
             _ENTRIES.popitem(last=False)
 
 
+def deposit(y, settings, payload, history, scale, versions):
+    """Leaves a fused producer's copy of its output ``y`` for the linear whose
+    input state is ``(history, scale)``, as that linear's own ``store`` would
+    (``torch_ops.producers``); no reader has read it. Another linear reading
+    ``y`` first misses it, and so does that linear where its history or scale
+    changed since ``versions`` (their version counters when the copy was
+    made) or is another tensor."""
+    ident = _identity(y)
+    if ident is None:
+        return
+    root, part = ident
+    key = (part, settings)
+    token = object()
+    ref = weakref.ref(root, lambda _, key=key, token=token, drop=_drop: drop(key, token))
+    reserved = (id(history), versions[0], weakref.ref(scale), versions[1])
+    entry = _Entry(ref, y._version, payload, None, token, reserved)
+    with _LOCK:
+        _ENTRIES[key] = entry
+        _ENTRIES.move_to_end(key)
+        while len(_ENTRIES) > MAX_ENTRIES:
+            _ENTRIES.popitem(last=False)
+
+
+# Tensors fused producers made: id(root) -> (weak reference, version,
+# producer), so that the linear reading one first can link itself to its
+# producer (torch_ops.producers.link). Bounded like the entries.
+_PRODUCED: collections.OrderedDict = collections.OrderedDict()
+
+
+def note_produced(y, producer):
+    """Records that ``producer`` made ``y`` (a no-op where ``y`` cannot be
+    shared)."""
+    ident = _identity(y)
+    if ident is None:
+        return
+    root = ident[0]
+    key = id(root)
+    token = object()
+    ref = weakref.ref(root, lambda _, key=key, token=token: _drop_produced(key, token))
+    with _LOCK:
+        _PRODUCED[key] = (ref, root._version, weakref.ref(producer), token)
+        _PRODUCED.move_to_end(key)
+        while len(_PRODUCED) > MAX_ENTRIES:
+            _PRODUCED.popitem(last=False)
+
+
+def _drop_produced(key, token, produced=_PRODUCED):
+    item = produced.get(key)
+    if item is not None and item[3] is token:
+        produced.pop(key, None)
+
+
+def producer_of(x):
+    """The producer that made ``x`` (or the tensor ``x`` is a view of),
+    unchanged since, or None."""
+    ident = _identity(x)
+    if ident is None:
+        return None
+    root = ident[0]
+    with _LOCK:
+        item = _PRODUCED.get(id(root))
+    if item is None or item[0]() is not root or item[1] != root._version:
+        return None
+    return item[2]()
+
+
 def clear():
     """Forgets every entry (the FP8 copies they hold are freed)."""
     with _LOCK:
         _ENTRIES.clear()
+        _PRODUCED.clear()
 
 
 def entry_count() -> int:

@@ -15,6 +15,7 @@ import torch_ops
 from torch_ops import extension as torch_ops_extension
 
 from keras_fp8 import compat
+from keras_fp8.backends import torch_producers
 
 
 def _kernels_for(x):
@@ -26,8 +27,10 @@ def _kernels_for(x):
 def prepare_device(tensor):
     """Settles (and caches) whether the compiled kernels serve `tensor`'s
     device: the capability check, the build and the one-time warning run
-    here, when a layer builds, not inside a call torch.compile traces."""
+    here, when a layer builds, not inside a call torch.compile traces. Also
+    routes keras_hub's producers through the fused ones (compat patch 12)."""
     _kernels_for(tensor)
+    torch_producers.install()
 
 
 def mark_amax_channel(variable):
@@ -65,6 +68,7 @@ def linear_config(recipe, min_gemm_size, kernel_layout="in_out"):
         weight_layout=kernel_layout,
         min_gemm_size=min_gemm_size,
         share_quantized_inputs=recipe.share_quantized_inputs,
+        fuse_producers=getattr(recipe, "fuse_producers", False),
     )
 
 

@@ -1,0 +1,88 @@
+"""Fused producers in keras_hub's models on torch (`torch_ops.producers`).
+
+keras_hub's Llama-family RMSNorm (`LlamaLayerNorm`, before Q, K and V and
+before the gated FFN) and the gated FFN's product (`up * act(gate)`, before
+the down projection) are the ops whose outputs the FP8 layers quantize
+next. Through `keras_fp8.compat`'s patch 12 they run here: where the FP8
+layer reading their output has linked itself (`torch_ops.producers.link`:
+delayed scaling with `share_quantized_inputs` and `fuse_producers`), the
+output is written together with that layer's FP8 input in one pass;
+otherwise keras_hub's own code runs. The norm's reduction
+(`mean(x**2)`, `rsqrt`) is keras_hub's own ops either way, and the fused
+op's output and gradients are the unfused ops' bit for bit
+(docs/numerics.md, "Fused producers"). Eager calls only: compiled code and
+Keras's stateless calls run keras_hub's code.
+"""
+
+import threading
+
+import torch
+from keras import ops
+from torch_ops import producers
+
+from keras_fp8 import compat
+
+# The decoder layer whose call is running on this thread (its gated FFN's
+# product is the one `llama_ffn_multiply` sees).
+_CURRENT = threading.local()
+
+
+def _eager(*tensors):
+    return (not torch.compiler.is_compiling() and not compat.in_stateless_scope()
+            and all(isinstance(t, torch.Tensor) for t in tensors))
+
+
+def _producer(layer, attribute):
+    """The layer's `torch_ops.producers.Producer` (made on first use; kept in
+    the instance dict, outside Keras's and torch's attribute tracking)."""
+    producer = layer.__dict__.get(attribute)
+    if producer is None:
+        producer = layer.__dict__[attribute] = producers.Producer()
+    return producer
+
+
+def llama_norm_call(layer, x, keras_call):
+    """`LlamaLayerNorm.call`: keras_hub's own, or its last step fused with
+    the linked FP8 layer's quantize."""
+    if not _eager(x):
+        return keras_call(layer, x)
+    producer = _producer(layer, "_fp8_producer")
+    if not producer.linked:
+        return producers.note(keras_call(layer, x), producer)
+    # keras_hub's reduction, op for op; then (x * rsqrt) * scale, fused.
+    x32 = ops.cast(x, "float32")
+    var = ops.mean(ops.power(x32, 2), axis=-1, keepdims=True)
+    inv = ops.rsqrt(var + layer.epsilon)
+    out_dtype = getattr(torch, layer.compute_dtype)
+    return producers.scaled_rows(x32, inv, layer.scale.value, out_dtype, producer)
+
+
+def llama_decoder_call(layer, args, kwargs, keras_call):
+    """`LlamaTransformerDecoder.call`, with the layer known to its FFN's
+    product on this thread."""
+    if torch.compiler.is_compiling():
+        return keras_call(layer, *args, **kwargs)
+    previous = getattr(_CURRENT, "decoder", None)
+    _CURRENT.decoder = layer
+    try:
+        return keras_call(layer, *args, **kwargs)
+    finally:
+        _CURRENT.decoder = previous
+
+
+def llama_ffn_multiply(x1, x2, keras_multiply):
+    """The decoder module's `ops.multiply(up, act(gate))`: Keras's own, or
+    fused with the down projection's quantize where it is linked."""
+    layer = getattr(_CURRENT, "decoder", None)
+    if layer is None or not _eager(x1, x2) or x1.shape != x2.shape or x1.dtype != x2.dtype:
+        return keras_multiply(x1, x2)
+    producer = _producer(layer, "_fp8_ffn_producer")
+    if not producer.linked:
+        return producers.note(keras_multiply(x1, x2), producer)
+    return producers.gated(x2, x1, "identity", producer)
+
+
+def install():
+    """Applies compat's patch 12 (idempotent; nothing before keras_hub is
+    imported)."""
+    compat.keras_hub_fused_producers(llama_norm_call, llama_decoder_call, llama_ffn_multiply)

@@ -1,0 +1,107 @@
+"""Fused producers in a keras_hub Llama model on torch (compat patch 12).
+
+A small `LlamaCausalLM` from a config, trained under `fp8_hybrid` with
+fusion on against the same model with `fuse_producers=false`: every
+variable (weights, optimizer moments, FP8 state) and the predictions bit for
+bit; the fused ops counted (each decoder's two RMSNorms and its SwiGLU
+product, and the last RMSNorm before the vocabulary projection, from the
+second step on, after the first links them). On CPU the
+fused ops run torch_ops's reference; on an FP8 GPU the CUDA kernels.
+"""
+
+from unittest import mock
+
+import keras
+import numpy as np
+import pytest
+
+keras_hub = pytest.importorskip("keras_hub")
+
+if keras.backend.backend() != "torch":
+    pytest.skip("fused producers are torch_ops kernels (JAX: tests/keras/test_jax_fusion.py)",
+                allow_module_level=True)
+
+import keras_fp8  # noqa: E402,F401 (the FP8 policy names)
+import torch_ops  # noqa: E402
+from torch_ops import ops  # noqa: E402
+from torch_ops import sharing  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
+
+VOCAB, SEQ, BATCH, LAYERS = 96, 6, 8, 2
+
+
+def _llama(policy):
+    keras.utils.set_random_seed(0)
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=VOCAB, num_query_heads=2, num_key_value_heads=1, hidden_dim=32, intermediate_dim=48,
+            num_layers=LAYERS, dropout=0.0, tie_word_embeddings=False)
+        task = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    task.compile(optimizer=keras.optimizers.Adam(1e-2), run_eagerly=True)
+    return task
+
+
+def _batches(n):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(1, VOCAB, (BATCH, SEQ + 1)).astype("int32")
+        x = {"token_ids": tokens[:, :SEQ], "padding_mask": np.ones((BATCH, SEQ), "int32")}
+        out.append((x, tokens[:, 1:]))
+    return out
+
+
+class _Counter:
+    def __init__(self, name):
+        self.calls, self._fn = 0, getattr(ops, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._fn(*args, **kwargs)
+
+
+def _train(policy, steps=4):
+    sharing.clear()
+    task = _llama(policy)
+    norms, products = _Counter("scaled_rows_quantize"), _Counter("gated_quantize")
+    with mock.patch.object(ops, "scaled_rows_quantize", norms), mock.patch.object(ops, "gated_quantize", products):
+        for x, y in _batches(steps):
+            task.train_on_batch(x, y)
+        predictions = keras.ops.convert_to_numpy(task(_batches(1)[0][0], training=False))
+    variables = [keras.ops.convert_to_numpy(v.value) for v in task.variables + task.optimizer.variables]
+    return variables, predictions, norms.calls, products.calls
+
+
+def test_llama_trains_bit_identically_with_fusion_on_and_off():
+    on, on_pred, norms, products = _train("fp8_hybrid[history_len=4]")
+    off, off_pred, none_n, none_p = _train("fp8_hybrid[history_len=4,fuse_producers=false]")
+    assert len(on) == len(off)
+    for i, (a, b) in enumerate(zip(on, off)):
+        np.testing.assert_array_equal(a, b, err_msg=f"variable {i}")
+    np.testing.assert_array_equal(on_pred, off_pred)
+    # Steps 2-4 and the prediction: each decoder's two norms and its product,
+    # and the backbone's last norm (before the FP8 vocabulary projection).
+    assert (norms, products) == (4 * (2 * LAYERS + 1), 4 * LAYERS)
+    assert (none_n, none_p) == (0, 0)
+
+
+def test_fusion_setting_round_trips_in_the_policy_name():
+    policy = keras.dtype_policies.get("fp8_hybrid[fuse_producers=false]")
+    assert policy.recipe.fuse_producers is False
+    assert keras.dtype_policies.get(policy.name).recipe.fuse_producers is False
+    with pytest.raises(ValueError, match="fuse_producers"):
+        from keras_fp8 import recipes
+
+        recipes.DelayedScaling(fuse_producers="no")
+
+
+def test_keras_hub_code_runs_where_nothing_is_fp8():
+    """Under a plain policy the patched layers run keras_hub's own code."""
+    on, on_pred, norms, products = _train("mixed_bfloat16", steps=2)
+    assert (norms, products) == (0, 0)
+    assert torch_ops.producers.Producer is not None
