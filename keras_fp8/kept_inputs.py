@@ -92,17 +92,32 @@ class _InputRecorder:
             yield
 
 
+class _FunctionLoss(keras.losses.Loss):
+    """A loss function `fn(y_true, y_pred)` as a `keras.losses.Loss` (its
+    reduction and sample weights are Keras's)."""
+
+    def __init__(self, fn):
+        super().__init__(name=getattr(fn, "__name__", "loss"))
+        self.fn = fn
+
+    def call(self, y_true, y_pred):
+        return self.fn(y_true, y_pred)
+
+
 def _loss_object(loss):
     """A `keras.losses.Loss` for `loss` (a Loss, a name or a function
     `fn(y_true, y_pred)`)."""
     if isinstance(loss, keras.losses.Loss):
         return loss
-    fn = keras.losses.get(loss)
+    try:
+        fn = loss if callable(loss) else keras.losses.get(loss)
+    except ValueError:
+        fn = None
     if not callable(fn):
         raise ValueError(
-            f"Invalid `loss`. Expected a keras.losses.Loss, a loss name or a function fn(y_true, y_pred). "
+            "Invalid `loss`. Expected a keras.losses.Loss, a loss name or a function fn(y_true, y_pred). "
             f"Received: loss={loss!r}")
-    return keras.losses.LossFunctionWrapper(fn)
+    return _FunctionLoss(fn)
 
 
 def _check_arguments(model, y, sample_weight, loss):
