@@ -180,9 +180,9 @@ def _kept_inputs_report(model, layers, kept):
     if not rows:
         return (f"Inputs kept for the backward: each of the {len(only_fp8)} FP8 layer(s) that ran FP8 "
                 "keeps only its FP8 copy of its input.")
-    text = (f"Inputs kept for the backward in the compute dtype by other layers ({len(rows)} FP8 layer(s), "
-            f"{total:,} bytes on this sample): their FP8 copy saves no memory\n"
-            + _format_table(["layer", "input", "bytes", "also saved by (layer path (op))"], rows))
+    text = ("Inputs kept for the backward in the compute dtype by other layers too, so that the FP8 copy "
+            f"saves no memory there ({len(rows)} FP8 layer(s), {total:,} bytes on this sample):\n"
+            + _format_table(["layer", "input", "bytes", "also saved by: layer (op)"], rows))
     if only_fp8:
         text += f"\nKeeping only their FP8 copy ({len(only_fp8)}): " + ", ".join(only_fp8)
     return text
