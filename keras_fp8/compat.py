@@ -106,6 +106,11 @@ Compiled training on torch (`jit_compile=True`, `keras_fp8.compile_blocks`):
    number would be a constant of the compiled code (a recompilation at every
    change). Both methods are Keras's own where the update is traced by an
    enclosing compilation (`jit_compile=True`) or runs in a stateless scope.
+
+Besides the patches, `calls_through` stands in for one layer instance's
+`call` while a block runs (`keras_fp8.inspection.kept_inputs` sees each FP8
+layer's input this way), and `current_scope_path` reads Keras's name-scope
+stack (which layer calls are running); their docstrings give the reasons.
 """
 
 import contextlib

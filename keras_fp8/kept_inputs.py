@@ -85,6 +85,11 @@ class _InputRecorder:
     def watching(self, layers):
         with contextlib.ExitStack() as stack:
             for layer in layers:
+                # The pass is not one of the layer's calls: its last GEMM
+                # (`fp8_execution`, what `summary` shows) stays the last
+                # real call's.
+                last = layer._last_gemm[0]
+                stack.callback(layer._last_gemm.__setitem__, 0, last)
                 stack.enter_context(compat.calls_through(
                     layer, lambda own, *a, layer=layer, **k: self.call(layer, own, *a, **k)))
                 layer.observe_gemms(self.observe)
@@ -172,7 +177,8 @@ def kept_inputs(model, x, y=None, sample_weight=None, loss=None):
     variables, which its FP8 ops update in place).
 
     Args:
-        model: A Keras model or layer, built or buildable on `x`.
+        model: A Keras model or layer; one not built yet is built by a
+            call on `x` first (inference mode: no FP8 state advances).
         x: A sample batch of inputs, as the model takes them (a few
             examples suffice: what is kept does not depend on the batch
             size, the bytes are this batch's).

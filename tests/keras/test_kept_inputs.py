@@ -7,7 +7,7 @@ which FP8 layers' compute-dtype inputs another layer keeps for the backward.
 | one tensor feeds an FP8 Dense and a bfloat16 `Dense` | kept by that Dense (its matmul) |
 | norm -> three FP8 Dense (q, k, v as in attention) | nothing kept; the summary says each keeps only its FP8 copy |
 | an FP8 layer below `min_gemm_size` | left out (it runs as the plain layer) |
-| the compiled loss with `y`, a `loss=` | the same answer; no variable changed (FP8 state, BatchNormalization statistics, seeds) |
+| the compiled loss with `y`, a `loss=` | the same answer; no variable changed (FP8 state, BatchNormalization statistics, seeds), the layers' last GEMM neither |
 | `y`, `loss` or `sample_weight` without what they need | a ValueError naming the argument |
 """
 
@@ -132,6 +132,11 @@ def test_losses_and_no_variable_changes():
         assert not any(entry.kept for entry in found), found
     for variable, value in zip(model.variables, before):
         np.testing.assert_array_equal(to_numpy(variable), value, err_msg=variable.path)
+    # The layers' last GEMM (what the summary's table shows) stays fit's.
+    last = {layer.name: layer.fp8_execution()[1] for layer in inspection.fp8_layers(model)}
+    assert last["up"] == (BATCH * SEQ, FEATURES, FEATURES)
+    inspection.kept_inputs(model, x[:1])
+    assert {layer.name: layer.fp8_execution()[1] for layer in inspection.fp8_layers(model)} == last
 
 
 def test_arguments_are_checked():
