@@ -151,6 +151,20 @@ def _loss_value(model, x, y, sample_weight, y_pred, loss):
     return ops.cast(value, "float32")
 
 
+def _fp8_state(layers):
+    """The non-trainable FP8 state variables of `layers`, once each: the
+    variables the pass maps to values of its own (on torch, copies: torch_ops
+    updates them in place). Every other variable's assignments in the
+    pass's `keras.StatelessScope` stay in the scope."""
+    found, seen = [], set()
+    for layer in layers:
+        for variable in layer.fp8_state_variables if layer.built else ():
+            if not variable.trainable and id(variable) not in seen:
+                seen.add(id(variable))
+                found.append(variable)
+    return found
+
+
 def _below_model(path, model):
     """`path` with the model's own scope left out (`""`: the model itself,
     or outside it)."""
@@ -173,8 +187,8 @@ def kept_inputs(model, x, y=None, sample_weight=None, loss=None):
     (the residuals). An FP8 layer's input is kept where another op saves it
     (on torch: any tensor sharing its storage), with the layers and ops that
     save it. Nothing the pass does changes a variable: it runs in a
-    `keras.StatelessScope` (on torch on copies of the non-trainable
-    variables, which its FP8 ops update in place).
+    `keras.StatelessScope` (on torch on copies of the FP8 state variables,
+    which its FP8 ops update in place).
 
     Args:
         model: A Keras model or layer; one not built yet is built by a
@@ -210,8 +224,6 @@ def kept_inputs(model, x, y=None, sample_weight=None, loss=None):
     _check_arguments(model, y, sample_weight, loss)
     loss = None if loss is None else _loss_object(loss)
     layers = [layer for layer in compat.sublayers(model) if isinstance(layer, FP8StateMixin)]
-    trainable = list(model.trainable_variables)
-    others = list(model.non_trainable_variables)
     recorder = _InputRecorder()
 
     def loss_fn(trainable_values, other_values):
@@ -225,8 +237,8 @@ def kept_inputs(model, x, y=None, sample_weight=None, loss=None):
     if not model.built:
         # Variables are made by the first call; the pass then maps them.
         model(x)
-        trainable = list(model.trainable_variables)
-        others = list(model.non_trainable_variables)
+    trainable = list(model.trainable_variables)
+    others = _fp8_state(layers)
     report = backends.saved_for_backward(
         loss_fn, [v.value for v in trainable], [v.value for v in others])
     found = []

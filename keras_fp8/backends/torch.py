@@ -150,7 +150,7 @@ def saved_for_backward(loss_fn, trainable_values, other_values):
     running (`compat.current_scope_path`); a tensor of `inputs` is kept
     where a saved tensor of the graph behind the loss shares its storage
     (the storage stays allocated as long as any of its tensors is held).
-    The non-trainable values are copies: torch_ops updates FP8 state in
+    The other values (FP8 state) are copied: torch_ops updates FP8 state in
     place."""
     table = []  # (saved tensor, scope path), by the index its hook returned
     opened = []
