@@ -118,6 +118,11 @@ Compiled training on torch (`jit_compile=True`, `keras_fp8.compile_blocks`):
    keras_hub's own code wherever no FP8 layer has linked itself, and the
    same bits where one has. The decoder's call only marks, per thread, which
    decoder's FFN the product belongs to.
+
+Besides the patches, `calls_through` stands in for one layer instance's
+`call` while a block runs (`keras_fp8.inspection.kept_inputs` sees each FP8
+layer's input this way), and `current_scope_path` reads Keras's name-scope
+stack (which layer calls are running); their docstrings give the reasons.
 """
 
 import contextlib
@@ -599,6 +604,38 @@ def open_model_scopes():
     path starts with them)."""
     stack = _global_state.get_global_attribute("name_scope_stack") or []
     return {entry.name for entry in stack if isinstance(entry.caller, keras.Model)}
+
+
+def current_scope_path():
+    """The names of the name scopes open now, outermost first, joined by `/`
+    (`"model/block/up"`): `Layer.__call__` opens one named after each layer
+    it runs, so inside a model's call this is the chain of layer calls that
+    leads to the innermost layer running (the JAX backend's `jax.named_scope`
+    stack holds the same names). `""` outside every scope."""
+    stack = _global_state.get_global_attribute("name_scope_stack") or []
+    return "/".join(entry.name for entry in stack)
+
+
+@contextlib.contextmanager
+def calls_through(layer, wrapper):
+    """While the block runs, `layer(...)` runs `wrapper(call, *args, **kwargs)`
+    where it would run `call(*args, **kwargs)` (`call` being the layer's
+    own `call`). Keras's `Operation.__call__` reads `self.call` at each call,
+    so an attribute of the instance stands in for the method; Keras offers
+    no hook around a layer's call (a torch forward hook does not run: Keras's
+    `__call__` replaces torch's). `keras_fp8.kept_inputs` sees each FP8
+    layer's input this way."""
+    own = layer.call
+
+    def call(*args, **kwargs):
+        return wrapper(own, *args, **kwargs)
+
+    # Into the instance dict: Keras's attribute tracking is not needed.
+    layer.__dict__["call"] = call
+    try:
+        yield
+    finally:
+        layer.__dict__.pop("call", None)
 
 
 def autocast_scope(dtype):

@@ -1,11 +1,13 @@
 """Looking at a model's FP8 layers: `fp8_layers`, `excluded_layers`,
-`summary`, `float32_matmul_layers`."""
+`summary`, `float32_matmul_layers`, `kept_inputs`."""
 
 import keras
 from keras import ops
 
 from keras_fp8 import compat
 from keras_fp8 import policy as policy_lib
+from keras_fp8.kept_inputs import KeptInput  # noqa: F401 (public here)
+from keras_fp8.kept_inputs import kept_inputs
 from keras_fp8 import recipes
 from keras_fp8.layers import swap
 from keras_fp8.layers.fp8_state import ROLES
@@ -71,7 +73,7 @@ def _format_table(header, rows):
     return "\n".join([rule, line, rule] + body + [rule])
 
 
-def summary(model, print_fn=None):
+def summary(model, print_fn=None, *, x=None, y=None, sample_weight=None, loss=None):
     """Prints one table of every FP8 layer of `model`.
 
     Per layer: its recipe (the one its next call uses), its kernel shape, the
@@ -79,21 +81,41 @@ def summary(model, print_fn=None):
     compute dtype (below `min_gemm_size`, or FP8 off under the layer's
     policy), the `min_gemm_size` in force, and its current scales. Then the
     `Dense`/`EinsumDense` layers that an FP8 policy's `exclude` pattern kept
-    plain, each with the pattern (`excluded_layers`). Then, on torch, a note
-    naming the layers that multiply in float32 without tensor cores
-    (`float32_matmul_layers`), unless the user lowered torch's float32
-    matmul precision (TF32).
+    plain, each with the pattern (`excluded_layers`). Given a sample batch
+    `x`, then which FP8 layers' compute-dtype inputs stay alive for the
+    backward because another layer saves them too (so their FP8 copy saves
+    no memory there), naming those layers and ops, with the bytes kept
+    (`kept_inputs`: one training forward pass on `x`, no variable changed).
+    Then, on torch, a note naming the layers that multiply in float32
+    without tensor cores (`float32_matmul_layers`), unless the user lowered
+    torch's float32 matmul precision (TF32).
 
     Args:
         model: A Keras model or layer.
-        print_fn: Called with the table (a string), then with the note if
-            any; `print` by default.
+        print_fn: Called with the table (a string), then with the report on
+            the inputs kept (with `x`), then with the note if any; `print`
+            by default.
+        x: Optional sample batch of the model's inputs, for the report on
+            the inputs kept (a few examples suffice; the bytes are this
+            batch's).
+        y: Optional targets, for the loss of that pass: the model's
+            compiled loss, or `loss`. Without them the pass's loss is the
+            sum of the outputs, which keeps nothing itself.
+        sample_weight: Optional sample weights for the loss (with `y`).
+        loss: Optional loss instead of the compiled one (a
+            `keras.losses.Loss`, a name, or `fn(y_true, y_pred)`); needs
+            `y`.
 
     Example:
 
     >>> model.fit(x, y, epochs=1)
     >>> keras_fp8.summary(model)
+    >>> keras_fp8.summary(model, x=x[:8], y=y[:8])  # and the inputs kept
     """
+    if x is None and any(v is not None for v in (y, sample_weight, loss)):
+        raise ValueError("Invalid `x`. Expected a sample batch with `y`, `sample_weight` or `loss` (they serve "
+                         "the pass on `x` that finds the inputs kept). Received: x=None")
+    kept = None if x is None else kept_inputs(model, x, y=y, sample_weight=sample_weight, loss=loss)
     layers = fp8_layers(model)
     header = ["layer", "type", "recipe", "kernel", "last GEMM (MxKxN)", "runs", "min_gemm_size"]
     header += [f"{role}_scale" for role in ROLES]
@@ -120,9 +142,50 @@ def summary(model, print_fn=None):
             f"  {name}  (exclude={pattern!r})" for name, (_, pattern) in zip(names, excluded)
         )
     (print_fn or print)(text)
+    if kept is not None and rows:
+        (print_fn or print)(_kept_inputs_report(model, layers, kept))
     note = _float32_matmul_note(model)
     if note:
         (print_fn or print)(note)
+
+
+def _describe_savers(kept_by):
+    return ", ".join(f"{path or '(outside its layers)'} ({op})" for path, op in kept_by)
+
+
+def _kept_inputs_report(model, layers, kept):
+    """What `summary` says about `kept_inputs`: per FP8 layer whose input
+    another op keeps, who keeps it and the bytes (summed over the layer's
+    calls), then how many keep only their FP8 copy."""
+    if not kept:
+        return ("Inputs kept for the backward: no FP8 GEMM ran on the sample "
+                "(every FP8 layer ran in the compute dtype, or none was called).")
+    names = dict(zip((id(layer) for layer in layers), layer_names(layers)))
+    by_layer = {}
+    for entry in kept:
+        by_layer.setdefault(id(entry.layer), []).append(entry)
+    rows, only_fp8 = [], []
+    total = 0
+    for key, entries in by_layer.items():
+        kept_calls = [e for e in entries if e.kept]
+        if not kept_calls:
+            only_fp8.append(names[key])
+            continue
+        nbytes = sum(e.nbytes for e in kept_calls)
+        total += nbytes
+        savers = sorted({saver for e in kept_calls for saver in e.kept_by})
+        first = kept_calls[0]
+        rows.append([names[key], f"{first.dtype} {'x'.join(str(d) for d in first.shape)}", f"{nbytes:,}",
+                     _describe_savers(savers)])
+    if not rows:
+        return (f"Inputs kept for the backward: each of the {len(only_fp8)} FP8 layer(s) that ran FP8 "
+                "keeps only its FP8 copy of its input.")
+    text = ("Inputs kept for the backward in the compute dtype by other layers too, so that the FP8 copy "
+            f"saves no memory there ({len(rows)} FP8 layer(s), {total:,} bytes on this sample):\n"
+            + _format_table(["layer", "input", "bytes", "also saved by: layer (op)"], rows))
+    if only_fp8:
+        text += f"\nKeeping only their FP8 copy ({len(only_fp8)}): " + ", ".join(only_fp8)
+    return text
 
 
 # Layers whose call is a matmul of their input and a weight (ReversibleEmbedding:

@@ -21,6 +21,18 @@ Each backend module provides:
         are `keras_fp8.numerics`'.
     default_min_gemm_size(x) -> int
         The `min_gemm_size` a layer without one of its own uses for `x`.
+    saved_for_backward(loss_fn, trainable_values, other_values) -> report
+        What the backward pass of `loss_fn` keeps of the tensors it names
+        (`keras_fp8.kept_inputs`). `loss_fn(trainable_values, other_values)`
+        runs a forward pass and returns `(loss, inputs)`: a float32 scalar
+        and a list of tensors of that pass. The backend differentiates the
+        loss with respect to `trainable_values` (without running the
+        backward; `other_values` may be updated in place, so the backend
+        hands `loss_fn` copies where its ops do that) and returns, per
+        tensor of `inputs`, `(shape, dtype, nbytes, savers)`: `savers` the
+        sorted `(scope_path, op)` of every op that saves that tensor's
+        memory for the backward (`scope_path` the name scopes open when the
+        op ran, `compat.current_scope_path`; empty where none does).
 
 and may provide `linear_config(recipe, min_gemm_size, kernel_layout)` (the
 backend's form of a recipe for one layer's matmuls, made once per layer and
@@ -117,3 +129,9 @@ def reduces_amaxes():
     still take part. False elsewhere."""
     reduces = getattr(get(), "reduces_amaxes", None)
     return reduces is not None and reduces()
+
+
+def saved_for_backward(loss_fn, trainable_values, other_values):
+    """What the backward of `loss_fn` keeps of the tensors it returns, by the
+    current backend (see the module docstring)."""
+    return get().saved_for_backward(loss_fn, trainable_values, other_values)

@@ -31,10 +31,12 @@ the optimizer overwrites, and the next training forward folds it.
 
 import functools
 import os
+import re
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 import keras
 from keras import ops
 
@@ -504,3 +506,86 @@ def fp8_matmul(layer, x, kernel, bias, recipe, training, kernel_layout=IN_OUT, s
             _record_scale(layer, role, amax, recipe.forward_format, recipe)
     return y
 
+
+
+# --------------------------------------------------------------------------- what the backward keeps
+def _scope_path(eqn):
+    """The layer-call path of an equation's name stack, its transformations
+    left out: `transpose(jvp(model/block/up))` -> `model/block/up`."""
+    return re.sub(r"[A-Za-z_]\w*\(", "", str(eqn.source_info.name_stack)).replace(")", "")
+
+
+def _is_backward(eqn):
+    """Whether an equation of a gradient's program belongs to the backward
+    pass: JAX names the equations it transposes `transpose(...)`."""
+    return "transpose(" in str(eqn.source_info.name_stack)
+
+
+def _op_name(eqn):
+    """An equation's op: its primitive, or the function a `jit` names."""
+    name = eqn.params.get("name") if eqn.primitive.name in ("pjit", "jit", "closed_call") else None
+    return name or eqn.primitive.name
+
+
+# Primitives whose output holds the elements of their (first) input in the
+# same order and dtype: XLA writes no new buffer for them (a reshape is a
+# bitcast of a row-major array, a copy is elided), so an op that saves their
+# output keeps the input's memory. A transpose or a cast may write one: not
+# followed.
+_SAME_ELEMENTS = ("reshape", "squeeze", "expand_dims", "reduce_precision", "copy")
+
+
+def _same_elements(eqn):
+    """Whether an equation's output holds its input's elements as they are
+    (`_SAME_ELEMENTS`; a cast to the same dtype too)."""
+    name = eqn.primitive.name
+    if name == "convert_element_type":
+        return eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype
+    return name in _SAME_ELEMENTS and len(eqn.outvars) == 1
+
+
+def _is_var(atom):
+    """Whether a jaxpr atom is a variable (not a literal constant)."""
+    return isinstance(atom, jax_core.Var) and not isinstance(atom, jax_core.Literal)
+
+
+def saved_for_backward(loss_fn, trainable_values, other_values):
+    """See `keras_fp8.backends`: the gradient of the loss with respect to
+    the trainable values, traced into one program (`jax.make_jaxpr`, nothing
+    runs), with `inputs` returned beside it so that each is a variable of
+    the program. A value the backward's equations read is a residual of the
+    forward: kept from the forward pass to the backward; so is a reshape or
+    copy of it (`_SAME_ELEMENTS`: its buffer). Each is reported
+    with the layer-call path of the equation that reads it (Keras's name
+    scopes are JAX name scopes) and its primitive. This is the program XLA
+    compiles; XLA may still rematerialize or alias buffers."""
+    counts = []
+
+    def loss_and_inputs(trainable, others):
+        loss, inputs = loss_fn(trainable, others)
+        counts.append(len(inputs))
+        return loss, list(inputs)
+
+    traced = jax.make_jaxpr(jax.grad(loss_and_inputs, has_aux=True))(list(trainable_values), list(other_values))
+    jaxpr = traced.jaxpr
+    input_vars = jaxpr.outvars[len(jaxpr.outvars) - counts[-1]:] if counts[-1] else []
+    # Each input's variable and the variables that hold its elements as
+    # they are (`_SAME_ELEMENTS`), which XLA keeps in the input's buffer.
+    owners = {}
+    for v in input_vars:
+        if _is_var(v):
+            owners.setdefault(v, set()).add(v)
+    savers = {v: set() for v in owners}
+    for eqn in jaxpr.eqns:
+        if _is_backward(eqn):
+            for v in eqn.invars:
+                for owner in owners.get(v, ()) if _is_var(v) else ():
+                    savers[owner].add((_scope_path(eqn), _op_name(eqn)))
+        elif _same_elements(eqn) and _is_var(eqn.invars[0]) and eqn.invars[0] in owners:
+            owners.setdefault(eqn.outvars[0], set()).update(owners[eqn.invars[0]])
+    report = []
+    for v in input_vars:
+        aval = v.aval
+        report.append((tuple(aval.shape), str(aval.dtype), int(aval.size) * jnp.dtype(aval.dtype).itemsize,
+                       sorted(savers.get(v, ())) if _is_var(v) else []))
+    return report

@@ -10,6 +10,8 @@ exact reference (which is tested bit for bit against `keras_fp8.numerics`).
 Eager and compiled training therefore run the same ops on the same state.
 """
 
+import re
+
 import torch
 import torch_ops
 from torch_ops import extension as torch_ops_extension
@@ -105,3 +107,84 @@ def fp8_matmul(layer, x, kernel, bias, config, training, kernel_layout="in_out",
     if bias is not None and not isinstance(bias, torch.Tensor):
         bias = value(bias)
     return torch_ops.fp8_linear(x, kernel, bias, state, config, bool(training))
+
+
+# --------------------------------------------------------------------------- what the backward keeps
+def _op_name(node):
+    """An autograd node's op: `MulBackward0` -> `Mul`, a custom function's
+    `_FP8LinearBackward` -> `_FP8Linear`."""
+    return re.sub(r"Backward\d*$", "", node.name()) or node.name()
+
+
+def _saving_ops(root, opened):
+    """`{saved index: op name}` for every tensor the autograd graph behind
+    `root` keeps for its backward: each node's saved tensors are read (each
+    read calls the unpack hook, which appends the tensor's index to
+    `opened`). Nodes that `root` does not reach are freed with their
+    outputs: what they saved is not kept."""
+    found = {}
+    seen = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names = [a for a in dir(node) if a.startswith("_saved_")]
+        if hasattr(node, "saved_tensors"):
+            names.append("saved_tensors")
+        op = _op_name(node)
+        for name in names:
+            opened.clear()
+            try:
+                getattr(node, name)
+            except RuntimeError:
+                continue  # e.g. a tensor saved as None, or already freed
+            for index in opened:
+                found.setdefault(index, op)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    opened.clear()
+    return found
+
+
+def saved_for_backward(loss_fn, trainable_values, other_values):
+    """See `keras_fp8.backends`: one forward under
+    `torch.autograd.graph.saved_tensors_hooks`, which records every tensor an
+    op saves for the backward with the name-scope path of the layer call
+    running (`compat.current_scope_path`); a tensor of `inputs` is kept
+    where a saved tensor of the graph behind the loss shares its storage
+    (the storage stays allocated as long as any of its tensors is held).
+    The other values (FP8 state) are copied: torch_ops updates FP8 state in
+    place."""
+    table = []  # (saved tensor, scope path), by the index its hook returned
+    opened = []
+
+    def pack(tensor):
+        table.append((tensor, compat.current_scope_path()))
+        return len(table) - 1
+
+    def unpack(index):
+        opened.append(index)
+        return table[index][0]
+
+    others = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in other_values]
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss, inputs = loss_fn(list(trainable_values), others)
+        saving = _saving_ops(loss.grad_fn, opened) if loss.grad_fn is not None else {}
+        by_storage = {}
+        for index, op in saving.items():
+            tensor, path = table[index]
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                by_storage.setdefault((tensor.device, storage.data_ptr()), set()).add((path, op))
+        report = []
+        for x in inputs:
+            savers = by_storage.get((x.device, x.untyped_storage().data_ptr()), set()) if x.numel() else set()
+            report.append((tuple(x.shape), str(x.dtype).replace("torch.", ""), x.numel() * x.element_size(),
+                           sorted(savers)))
+        return report
+    finally:
+        # The hooks' closures hold `table`, the graph's nodes hold the hooks:
+        # emptied, the graph and its tensors are freed with `loss`.
+        table.clear()

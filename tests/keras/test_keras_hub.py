@@ -16,8 +16,10 @@ no downloads, no preprocessors).
 | Llama (untied) and GPT-2 (tied) causal LMs under `fp8_hybrid` | the head is FP8, its state saved, reloaded and trained on |
 | `fp8_hybrid[exclude=token_embedding]`; `reverse_dtype` set | the head stays a plain `ReversibleEmbedding` (after reloading too); a warning names the second |
 | `convert` / `unconvert` of the head; `layer.quantize` on it | FP8 and back with the same weights; Keras's quantization refused |
+| `keras_fp8.summary(task, x=..., y=...)` of a Llama causal LM under `fp8_hybrid` | every FP8 layer in the report on the inputs kept; the projections after a norm, the FFN's output projection and the head keep only their FP8 copy; no variable changed |
 """
 
+import math
 import os
 import tempfile
 import zipfile
@@ -464,3 +466,29 @@ def test_convert_unconvert_and_quantize_of_the_head():
     assert type(head) is keras.layers.ReversibleEmbedding
     assert not hasattr(head, "input_scale")
     np.testing.assert_array_equal(predict(task, x), expected)
+
+
+def test_summary_reports_the_inputs_kept_for_the_backward():
+    keras.mixed_precision.set_global_policy("fp8_hybrid")
+    task = llama()
+    compile_task(task)
+    (x, y, sample_weight), = batches("llama", 1)
+    before = values(task)
+    lines = []
+    keras_fp8.summary(task, print_fn=lines.append, x=x, y=y, sample_weight=sample_weight)
+    report = lines[1]
+    assert report.startswith("Inputs kept for the backward"), lines
+    found = keras_fp8.inspection.kept_inputs(task, x, y, sample_weight=sample_weight)
+    assert {id(entry.layer) for entry in found} == {id(layer) for layer in keras_fp8.inspection.fp8_layers(task)}
+    # What a norm's output, the FFN's product and the final norm's output
+    # feed is read by FP8 layers alone. (The attention output is the
+    # attention kernel's: torch's fused attention saves its output.)
+    alone = ("query", "key", "value", "feedforward_gate_dense", "feedforward_intermediate_dense",
+             "feedforward_output_dense", "token_embedding")
+    for entry in found:
+        if entry.layer.name in alone:
+            assert not entry.kept, entry
+        assert entry.dtype == "bfloat16" and entry.nbytes == math.prod(entry.shape) * 2
+    after = values(task)
+    for path, value in before.items():
+        np.testing.assert_array_equal(after[path], value, err_msg=path)
