@@ -133,19 +133,7 @@ def store(x, settings, consumer, payload):
     tuple whose second item is the transposed copy, or None where it was
     not written) for the next linear reading ``x``; replaces an older entry. A no-op where
     ``x`` cannot be shared (see the module docstring)."""
-    ident = _identity(x)
-    if ident is None:
-        return
-    root, part = ident
-    key = (part, settings)
-    token = object()
-    ref = weakref.ref(root, lambda _, key=key, token=token, drop=_drop: drop(key, token))
-    entry = _Entry(ref, x._version, payload, None if consumer is None else id(consumer), token)
-    with _LOCK:
-        _ENTRIES[key] = entry
-        _ENTRIES.move_to_end(key)
-        while len(_ENTRIES) > MAX_ENTRIES:
-            _ENTRIES.popitem(last=False)
+    _put(x, settings, payload, None if consumer is None else id(consumer), None)
 
 
 def deposit(y, settings, payload, history, scale, versions):
@@ -155,15 +143,21 @@ def deposit(y, settings, payload, history, scale, versions):
     ``y`` first misses it, and so does that linear where its history or scale
     changed since ``versions`` (their version counters when the copy was
     made) or is another tensor."""
-    ident = _identity(y)
+    reserved = (id(history), versions[0], weakref.ref(scale), versions[1])
+    _put(y, settings, payload, None, reserved)
+
+
+def _put(x, settings, payload, consumer_id, reserved):
+    """Enters ``payload`` for ``x`` (replacing an older entry, dropping the
+    oldest beyond ``MAX_ENTRIES``); a no-op where ``x`` cannot be shared."""
+    ident = _identity(x)
     if ident is None:
         return
     root, part = ident
     key = (part, settings)
     token = object()
     ref = weakref.ref(root, lambda _, key=key, token=token, drop=_drop: drop(key, token))
-    reserved = (id(history), versions[0], weakref.ref(scale), versions[1])
-    entry = _Entry(ref, y._version, payload, None, token, reserved)
+    entry = _Entry(ref, x._version, payload, consumer_id, token, reserved)
     with _LOCK:
         _ENTRIES[key] = entry
         _ENTRIES.move_to_end(key)

@@ -14,21 +14,12 @@ import re
 import keras
 import pytest
 
+from tests.support.backend_utils import needs_jax_fp8_gpu
+
 keras_hub = pytest.importorskip("keras_hub")
 
 
-def _jax_fp8_gpu():
-    if keras.backend.backend() != "jax":
-        return False
-    from keras_fp8.backends import jax as jax_backend
-
-    return jax_backend.fp8_gemm_supported()
-
-
-pytestmark = [
-    pytest.mark.skipif(not _jax_fp8_gpu(), reason="needs the JAX backend on an FP8 GPU"),
-    pytest.mark.usefixtures("fp8_at_every_size"),
-]
+pytestmark = needs_jax_fp8_gpu
 
 
 def _computations(hlo_text):

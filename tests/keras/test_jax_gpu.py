@@ -14,26 +14,14 @@ import pytest
 
 import keras_fp8
 from keras_fp8.backends import jax_gemm
+from tests.support.backend_utils import needs_jax_fp8_gpu
 from tests.support.backend_utils import rng_normal
 from tests.support.backend_utils import to_numpy
 
 _FP8_TYPES = ("f8e4m3fn", "f8e5m2")
 
 
-def _jax_fp8_gpu():
-    if keras.backend.backend() != "jax":
-        return False
-    from keras_fp8.backends import jax as jax_backend
-
-    return jax_backend.fp8_gemm_supported()
-
-
-# FP8 at the tests' small sizes too (conftest.py): on a GPU the default
-# threshold runs them in the compute dtype.
-pytestmark = [
-    pytest.mark.skipif(not _jax_fp8_gpu(), reason="needs the JAX backend on an FP8 GPU"),
-    pytest.mark.usefixtures("fp8_at_every_size"),
-]
+pytestmark = needs_jax_fp8_gpu
 
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?([a-z0-9]+)\[")

@@ -6,6 +6,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 
 # The repository's root (subprocesses of tests run there).
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,6 +95,23 @@ def real_fp8_gemm():
     from keras_fp8.backends import jax as jax_backend
 
     return jax_backend.fp8_gemm_supported()
+
+
+def jax_on_fp8_gpu():
+    """True where the JAX backend runs on an FP8 GPU."""
+    if keras.backend.backend() != "jax":
+        return False
+    from keras_fp8.backends import jax as jax_backend
+
+    return jax_backend.fp8_gemm_supported()
+
+
+# For JAX GPU test modules: FP8 at the tests' small sizes too (conftest.py's
+# fixture; on a GPU the default threshold runs them in the compute dtype).
+needs_jax_fp8_gpu = [
+    pytest.mark.skipif(not jax_on_fp8_gpu(), reason="needs the JAX backend on an FP8 GPU"),
+    pytest.mark.usefixtures("fp8_at_every_size"),
+]
 
 
 def gemm_rtol(emulated=1e-5):

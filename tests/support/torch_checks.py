@@ -27,6 +27,17 @@ def kernels_required():
     assert reason is None, f"an FP8 GPU is present but the torch_ops kernels do not serve it: {reason}"
 
 
+@pytest.fixture()
+def fresh_sharing_cache():
+    """An empty one-quantize-per-tensor cache (torch_ops.sharing) before and
+    after the test: no FP8 copy crosses tests."""
+    from torch_ops import sharing
+
+    sharing.clear()
+    yield
+    sharing.clear()
+
+
 def poison(nbytes: int = 1 << 30):
     """Fills free memory of the caching allocator with 0xFF (NaN in both FP8
     formats), then releases it, so that an element a kernel did not write

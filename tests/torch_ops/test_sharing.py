@@ -18,17 +18,13 @@ import torch_ops
 from torch_ops import ops
 from torch_ops import sharing
 from tests.support.torch_checks import FP8_GPU
+from tests.support.torch_checks import fresh_sharing_cache  # noqa: F401 (fixture)
 from tests.support.torch_checks import kernels_required  # noqa: F401 (fixture)
 
 M, K, N = 40, 64, 48
 DEVICES = ("cpu", "cuda") if FP8_GPU else ("cpu",)
 
-
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    sharing.clear()
-    yield
-    sharing.clear()
+pytestmark = pytest.mark.usefixtures("fresh_sharing_cache")
 
 
 def _config(share, **options):
