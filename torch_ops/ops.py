@@ -41,6 +41,15 @@ def _pad_cols(q: torch.Tensor, cols: int) -> torch.Tensor:
     return F.pad(q.view(torch.uint8), (0, cols - q.shape[1])).view(q.dtype)
 
 
+def transposed_copy(q: torch.Tensor, cols: int) -> torch.Tensor:
+    """The transposed FP8 copy of ``q``'s first ``cols`` columns (``q``: the
+    row-major copy, its rows padded or not), laid out as the quantize ops lay
+    their transposed output: rows padded to a multiple of 16 (a byte copy)."""
+    rows = q.shape[0]
+    qt = q[:, :cols].contiguous().view(torch.uint8).t().contiguous().view(q.dtype)
+    return _pad_cols(qt, _r16(rows))
+
+
 def _layouts(x, q, dt, transpose, pad, write_q):
     """The reference's q in the layouts the op was asked for."""
     R, C = x.shape

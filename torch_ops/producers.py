@@ -127,9 +127,7 @@ def _deposit(y, q, scale_used, amax, link, history, scale, versions, transpose):
     cols = y.shape[-1]
     qt = None
     if transpose:
-        rows = q.shape[0]
-        qt = ops._pad_cols(q[:, :cols].contiguous().view(torch.uint8).t().contiguous().view(q.dtype),
-                           ops._r16(rows))
+        qt = ops.transposed_copy(q, cols)
     payload = (q, qt, scale_used, amax)
     for view in (y, y.view(-1, cols)) if y.dim() != 2 else (y,):
         sharing.deposit(view, link.settings, payload, history, scale, versions)
