@@ -176,6 +176,18 @@ def _magnitudes(shape, seed, high=100.0):
     return _bf16(values)
 
 
+def _einsum_with_bias(equation, out_shape, bias_axes, in_shape):
+    """An `fp8_hybrid` FP8EinsumDense built for `in_shape`, its kernel and
+    bias set to fresh `_magnitudes`; returns `(layer, kernel, bias)`."""
+    layer = FP8EinsumDense(equation, out_shape, bias_axes=bias_axes, dtype="fp8_hybrid")
+    layer.build(in_shape)
+    kernel = _magnitudes(tuple(layer.kernel.shape), 1)
+    bias = _magnitudes(tuple(layer.bias.shape), 2)
+    layer.kernel.assign(kernel)
+    layer.bias.assign(bias)
+    return layer, kernel, bias
+
+
 class FP8EinsumDenseBiasTest(parameterized.TestCase):
     """The bias rounds once, as in `FP8Dense` (docs/numerics.md, "GEMMs"):
     added in float32 to the GEMM's float32 product, then one rounding to
@@ -199,12 +211,7 @@ class FP8EinsumDenseBiasTest(parameterized.TestCase):
     )
     def test_equals_fp8_dense(self, equation, out_shape, bias_axes, dense_kernel, dense_bias, to_dense):
         in_shape = (4, 8, 16)
-        layer = FP8EinsumDense(equation, out_shape, bias_axes=bias_axes, dtype="fp8_hybrid")
-        layer.build(in_shape)
-        kernel = _magnitudes(tuple(layer.kernel.shape), 1)
-        bias = _magnitudes(tuple(layer.bias.shape), 2)
-        layer.kernel.assign(kernel)
-        layer.bias.assign(bias)
+        layer, kernel, bias = _einsum_with_bias(equation, out_shape, bias_axes, in_shape)
         dense = FP8Dense(dense_kernel(kernel).shape[1], dtype="fp8_hybrid")
         dense.build(in_shape)
         dense.kernel.assign(dense_kernel(kernel))
@@ -239,12 +246,7 @@ class FP8EinsumDenseBiasTest(parameterized.TestCase):
         from tests.support.backend_utils import real_fp8_gemm
 
         in_shape = (4, 8, 16)
-        layer = FP8EinsumDense(equation, out_shape, bias_axes=bias_axes, dtype="fp8_hybrid")
-        layer.build(in_shape)
-        kernel = _magnitudes(tuple(layer.kernel.shape), 1)
-        bias = _magnitudes(tuple(layer.bias.shape), 2)
-        layer.kernel.assign(kernel)
-        layer.bias.assign(bias)
+        layer, kernel, bias = _einsum_with_bias(equation, out_shape, bias_axes, in_shape)
         x = _magnitudes(in_shape, 3)
         # Multiples of 1/16 below 8: their float32 sums are exact in any order.
         upstream = np.round(rng_normal(tuple(to_numpy(layer(x)).shape), 4) * 16) / 16
