@@ -43,7 +43,6 @@ policy in effect when it loads: load it under the FP8 policy, or rebuild it,
 convert it the same way and `model.load_weights(path)`.
 """
 
-import re
 import warnings
 
 import keras
@@ -416,13 +415,7 @@ def _selector(spec, arg_name, models, default):
         if arg_name == "exclude":
             pattern = policy_lib.compile_exclusion(spec, arg_name)
         else:
-            try:
-                pattern = re.compile(spec)
-            except re.error as e:
-                raise ValueError(
-                    f"Invalid regular expression in `{arg_name}`: {e}. "
-                    f"Received: {arg_name}={spec!r}"
-                ) from None
+            pattern = policy_lib.compile_pattern(spec, arg_name)
         return lambda layer: pattern.search(policy_lib.exclusion_path(layer, models)) is not None
     if isinstance(spec, (list, tuple, set, frozenset)):
         bad = [item for item in spec if not isinstance(item, str)]

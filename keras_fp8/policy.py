@@ -227,6 +227,18 @@ def check_exclude(exclude):
     return exclude
 
 
+def compile_pattern(pattern, arg_name):
+    """Compiles a regular expression given as `arg_name`, or raises a
+    ValueError naming the argument."""
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(
+            f"Invalid `{arg_name}`: not a regular expression ({e}). "
+            f"Received: {arg_name}={pattern!r}"
+        ) from None
+
+
 def compile_exclusion(pattern, arg_name):
     """Compiles a regular expression naming layers to leave out.
 
@@ -242,13 +254,7 @@ def compile_exclusion(pattern, arg_name):
             empty string: searched in every layer's path, such a pattern
             (an empty alternative, `"logits|"`; `"x*"`) matches every layer.
     """
-    try:
-        compiled = re.compile(pattern)
-    except re.error as e:
-        raise ValueError(
-            f"Invalid `{arg_name}`: not a regular expression ({e}). "
-            f"Received: {arg_name}={pattern!r}"
-        ) from None
+    compiled = compile_pattern(pattern, arg_name)
     if compiled.search("") is not None:
         raise ValueError(
             f"Invalid `{arg_name}`: the pattern matches the empty string, so it "
