@@ -466,8 +466,6 @@ def _jax_memory():
 
 
 def worker(args):
-    import random
-
     import keras
 
     import keras_fp8  # noqa: F401 (registers the FP8 policies)
@@ -555,25 +553,10 @@ def worker(args):
         if isinstance(variant, KerasVariant):
             variant.measure_ms.clear()  # the warm-up's measurement compiles
             variant.alloc_retries = 0
-    samples = {name: [] for name in variants}
-    losses = {name: [] for name in variants}
-    rng = random.Random(args.worker or 0)
-    names = list(variants)
-    for r in range(args.rounds):
-        if r:
-            rng.shuffle(names)
-        for name in names:
-            if name in problems:
-                continue
-            try:
-                ms, ls = variants[name].fit(x, y, args.steps, args.batch, measure_memory=(r == 0 and args.memory))
-            except Exception as e:  # noqa: BLE001
-                problems[name] = timing.failure(e)
-                continue
-            samples[name] += ms
-            losses[name] += ls
-        print(f"round {r}: " + ", ".join(f"{n} {statistics.median(samples[n]):.2f}" for n in names
-                                         if samples[n] and n not in problems) + " ms/step", flush=True)
+    samples, losses = timing.interleaved_rounds(
+        list(variants), args.rounds, args.worker or 0,
+        lambda name, r: variants[name].fit(x, y, args.steps, args.batch, measure_memory=(r == 0 and args.memory)),
+        problems)
     for name in keras_variants(args, backend) + peer_names:
         stack = "torch" if name in PEERS else row
         if name in problems:

@@ -132,6 +132,48 @@ def describe_error(e: BaseException, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def interleaved_rounds(names, rounds, seed, fit, problems, on_failure=None, label=""):
+    """`rounds` rounds of `fit(name, round)` over `names`, the order shuffled
+    after the first round (a variant's place in the round biases nothing).
+
+    Args:
+        names: The variants' names.
+        rounds: How many rounds.
+        seed: Seeds the shuffles (the worker's index: processes differ).
+        fit: `fit(name, round) -> (step times in ms, losses)`.
+        problems: name -> exception; a variant in it is skipped, one that
+            raises is added (`failure`) and skipped from then on.
+        on_failure: Called with the name after a variant raised.
+        label: Printed before each round's line of medians.
+
+    Returns:
+        `(samples, losses)`: name -> the step times, name -> the losses.
+    """
+    samples = {name: [] for name in names}
+    losses = {name: [] for name in names}
+    rng = random.Random(seed)
+    names = list(names)
+    for r in range(rounds):
+        if r:
+            rng.shuffle(names)
+        for name in names:
+            if name in problems:
+                continue
+            try:
+                ms, ls = fit(name, r)
+            except Exception as e:  # noqa: BLE001
+                problems[name] = failure(e)
+                if on_failure is not None:
+                    on_failure(name)
+                continue
+            samples[name] += ms
+            losses[name] += ls
+        print(f"{label}round {r}: " + ", ".join(
+            f"{n} {statistics.median(samples[n]):.2f}" for n in names if samples[n] and n not in problems)
+            + " ms/step", flush=True)
+    return samples, losses
+
+
 def failure(e: BaseException) -> BaseException:
     """`e`, and the exceptions it chains, without their tracebacks: kept for
     a variant's record, a traceback's frames would keep the failed

@@ -650,34 +650,17 @@ def time_phase(cfg, variants, problems, args, backend, x, y, jax_mem):
         print(f"{cfg.name}/{cfg.size} warm-up {name}: {variants[name].warmup_s:.1f} s", flush=True)
         if backend == "jax" and i == 0 and args.memory and not args.dry_run:
             jax_mem[name] = decoder._jax_memory()
-    samples = {name: [] for name in variants}
-    losses = {name: [] for name in variants}
-    rng = random.Random(args.worker or 0)
-    names = list(variants)
-    for r in range(args.rounds):
-        if r:
-            rng.shuffle(names)
-        for name in names:
-            if name in problems:
-                continue
-            try:
-                graphs = dynamo_graphs()
-                ms, ls = run_fit(variants[name], x, y, args.steps, cfg.batch, args.compile_budget,
-                                 measure_memory=(r == 0 and args.memory))
-                if is_compiled(name):  # compilations after the warm-up fit: recompiles
-                    variants[name].recompiles += dynamo_graphs() - graphs
-            except Exception as e:  # noqa: BLE001
-                problems[name] = timing.failure(e)
-                _after_failure(backend, name)
-                continue
-            samples[name] += ms
-            losses[name] += ls
-        if not names:
-            break
-        print(f"{cfg.name}/{cfg.size} round {r}: " + ", ".join(
-            f"{n} {statistics.median(samples[n]):.2f}" for n in names if samples[n] and n not in problems)
-            + " ms/step", flush=True)
-    return samples, losses
+    def fit(name, r):
+        graphs = dynamo_graphs()
+        result = run_fit(variants[name], x, y, args.steps, cfg.batch, args.compile_budget,
+                         measure_memory=(r == 0 and args.memory))
+        if is_compiled(name):  # compilations after the warm-up fit: recompiles
+            variants[name].recompiles += dynamo_graphs() - graphs
+        return result
+
+    return timing.interleaved_rounds(list(variants), args.rounds, args.worker or 0, fit, problems,
+                                     on_failure=lambda name: _after_failure(backend, name),
+                                     label=f"{cfg.name}/{cfg.size} ")
 
 
 def _after_failure(backend, name):
