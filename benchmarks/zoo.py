@@ -43,7 +43,10 @@ first step of each fit left out), per model and backend:
   a timeout and the run goes on. The warm-up fit's seconds (compilation)
   are reported apart, and the compilations after it as recompiles;
 - on request, `fp8_hybrid+moments` (and `fp8_hybrid+blocks+moments`):
-  AdamW with its moments in FP8 (`keras_fp8.optimizers.FP8AdamW`);
+  AdamW with its moments in FP8 (`keras_fp8.optimizers.FP8AdamW`), and
+  `fp8_hybrid+requant` (and `fp8_hybrid+blocks+requant`): the backward
+  quantizes each kernel again instead of keeping its FP8 copy
+  (`requantize_weight_in_backward`);
 - torch on a GPU, where `benchmarks/model.py` has the architecture in
   plain PyTorch (the Llama-style decoder, with grouped-query attention):
   `torch-bf16` (bf16 autocast, fused AdamW, compiled blocks) and `torchao`
@@ -132,13 +135,15 @@ MASKED_FRACTION = 0.15  # BERT's masked positions
 COMPILED = "+compiled"  # Keras's jit_compile=True step
 BLOCKS = "+blocks"  # keras_fp8.compile_blocks
 MOMENTS = "+moments"  # keras_fp8.optimizers.FP8AdamW
+REQUANT = "+requant"  # the policy's requantize_weight_in_backward=true
 KERAS_FLOAT8 = "keras_float8"
 PEERS = decoder.PEERS
 PEER_MODELS = ("llama",)  # architectures benchmarks/model.py has in plain PyTorch
 STACKS = decoder.STACKS
 ALL_VARIANTS = ("mixed_bfloat16", "fp8_hybrid", KERAS_FLOAT8, "mixed_bfloat16" + COMPILED, "fp8_hybrid" + COMPILED,
                 "mixed_bfloat16" + BLOCKS, "fp8_hybrid" + BLOCKS, "fp8_hybrid" + MOMENTS,
-                "fp8_hybrid" + BLOCKS + MOMENTS) + tuple(PEERS)
+                "fp8_hybrid" + BLOCKS + MOMENTS, "fp8_hybrid" + REQUANT,
+                "fp8_hybrid" + BLOCKS + REQUANT) + tuple(PEERS)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -238,9 +243,12 @@ def peer_variants(args, backend, cfg):
 def parse_variant(name):
     """`(policy, step, moments)` of a Keras variant name: its dtype policy,
     how the step runs ("eager", "compiled": jit_compile=True, "blocks":
-    keras_fp8.compile_blocks) and whether the optimizer keeps FP8 moments."""
+    keras_fp8.compile_blocks) and whether the optimizer keeps FP8 moments.
+    `+requant` is in the policy (`requantize_weight_in_backward=true`)."""
     parts = name.split("+")
     policy = "mixed_bfloat16" if parts[0] == KERAS_FLOAT8 else parts[0]
+    if REQUANT[1:] in parts:
+        policy += "[requantize_weight_in_backward=true]"
     step = "compiled" if COMPILED[1:] in parts else "blocks" if BLOCKS[1:] in parts else "eager"
     return policy, step, MOMENTS[1:] in parts
 

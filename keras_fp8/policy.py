@@ -75,7 +75,7 @@ def _parse_value(key, text):
         return int(text)
     if key == "margin":
         return float(text)
-    if key in ("power_of_two", "share_quantized_inputs", "fuse_producers"):
+    if key in ("power_of_two", "share_quantized_inputs", "fuse_producers", "requantize_weight_in_backward"):
         if text.lower() not in ("true", "false"):
             raise ValueError(text)
         return text.lower() == "true"

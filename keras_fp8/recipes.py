@@ -173,6 +173,12 @@ class DelayedScaling(Recipe):
             `share_quantized_inputs`. The same bits either way;
             docs/numerics.md, "Fused producers". On JAX, XLA fuses the
             quantize into the producer itself and this has no effect.
+        requantize_weight_in_backward: Whether the backward quantizes
+            the kernel again, with the scale the forward used (the same
+            bytes), instead of keeping its FP8 copy from the forward: one
+            byte per kernel element less held from the forward to the
+            backward, one more kernel quantize per backward. The same bits
+            either way; docs/numerics.md, "Weights in the backward".
 
     Example:
 
@@ -187,6 +193,7 @@ class DelayedScaling(Recipe):
     fp8_format: str = "hybrid"
     share_quantized_inputs: bool = True
     fuse_producers: bool = True
+    requantize_weight_in_backward: bool = False
 
     name = "delayed"
 
@@ -210,6 +217,7 @@ class DelayedScaling(Recipe):
         _check_fp8_format(self.fp8_format)
         _check_share_quantized_inputs(self.share_quantized_inputs)
         _check_bool_field("fuse_producers", self.fuse_producers)
+        _check_bool_field("requantize_weight_in_backward", self.requantize_weight_in_backward)
 
 
 @register_keras_serializable(package="keras_fp8")
@@ -227,16 +235,18 @@ class CurrentScaling(Recipe):
         fp8_format: `"hybrid"` or `"e4m3"`.
         share_quantized_inputs: As for `DelayedScaling` (the scale comes
             from the tensor, so sharing never changes a result).
+        requantize_weight_in_backward: As for `DelayedScaling`.
 
     Example:
 
-    >>> CurrentScaling(margin=1).get_config()
-    {'margin': 1, 'fp8_format': 'hybrid', 'share_quantized_inputs': True}
+    >>> CurrentScaling(margin=1).get_config()["margin"]
+    1
     """
 
     margin: float = 0.0
     fp8_format: str = "hybrid"
     share_quantized_inputs: bool = True
+    requantize_weight_in_backward: bool = False
 
     name = "current"
 
@@ -244,6 +254,7 @@ class CurrentScaling(Recipe):
         _check_margin(self.margin)
         _check_fp8_format(self.fp8_format)
         _check_share_quantized_inputs(self.share_quantized_inputs)
+        _check_bool_field("requantize_weight_in_backward", self.requantize_weight_in_backward)
 
 
 @register_keras_serializable(package="keras_fp8")
@@ -268,6 +279,8 @@ class BlockScaling(Recipe):
             multiplications; no saturation).
         share_quantized_inputs: As for `DelayedScaling` (the tile scales
             come from the tensor, so sharing never changes a result).
+        requantize_weight_in_backward: As for `DelayedScaling` (the
+            kernel's block scales come from its values alone).
 
     Example:
 
@@ -279,6 +292,7 @@ class BlockScaling(Recipe):
     fp8_format: str = "e4m3"
     power_of_two: bool = False
     share_quantized_inputs: bool = True
+    requantize_weight_in_backward: bool = False
 
     name = "block"
     block_size = 128
@@ -292,6 +306,7 @@ class BlockScaling(Recipe):
                 f"Received: power_of_two={self.power_of_two!r}"
             )
         _check_share_quantized_inputs(self.share_quantized_inputs)
+        _check_bool_field("requantize_weight_in_backward", self.requantize_weight_in_backward)
 
 
 RECIPES = {"delayed": DelayedScaling, "current": CurrentScaling, "block": BlockScaling}

@@ -69,6 +69,12 @@ class LinearConfig:
             activation), which then quantizes its next output for this
             linear in the same pass (delayed scaling with sharing only;
             docs/numerics.md, "Fused producers"). The same bits either way.
+        requantize_weight_in_backward: Whether the backward quantizes the
+            weight again (with the scale the forward used: the same bytes)
+            instead of keeping its FP8 copy from the forward: one byte per
+            weight element less held until the backward, one more weight
+            quantize per backward. Calls with it run the ops route (not the
+            C++ entry). The same bits either way.
 
     Raises:
         ValueError: naming the first field that is not one of its accepted
@@ -88,6 +94,7 @@ class LinearConfig:
     min_gemm_size: int | None = None
     share_quantized_inputs: bool = True
     fuse_producers: bool = True
+    requantize_weight_in_backward: bool = False
 
     def __post_init__(self):
         if self.fp8_format not in ref.FP8_FORMATS:
@@ -111,6 +118,7 @@ class LinearConfig:
         settings_lib.check_min_gemm_size(self.min_gemm_size)
         _check_bool("share_quantized_inputs", self.share_quantized_inputs)
         _check_bool("fuse_producers", self.fuse_producers)
+        _check_bool("requantize_weight_in_backward", self.requantize_weight_in_backward)
 
     @property
     def forward_dtype(self) -> torch.dtype:

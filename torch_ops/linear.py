@@ -210,7 +210,7 @@ def _route(x, weight, bias, state, config, training, n):
     # The C++ entry: plain CUDA tensors (ops.plain: outside torch.compile, no
     # subclass), per-tensor scaling, no amax reduction (it has no collective).
     if (ext is not None and config.scaling != "block" and group is None
-            and ops.plain(x, weight, bias, *state.tensors(), state.grad_amax_pending, state.grad_fold_state)):
+            and not config.requantize_weight_in_backward and ops.plain(x, weight, bias, *state.tensors(), state.grad_amax_pending, state.grad_fold_state)):
         return EAGER_ENTRY, ext
     return OPS, ext
 
@@ -483,7 +483,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.has_sink = sink is not None
         ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.save_for_backward(qxt, qw_bwd, sx, sw)
+        # Without qw_bwd (requantize_weight_in_backward) the weight itself is
+        # kept (a parameter: alive anyway) and quantized again for dX.
+        ctx.save_for_backward(qxt, qw_bwd, sx, sw, weight if qw_bwd is None else None)
         # The gradient state is state, updated in place by the backward: kept
         # without saved-tensor version checks, so that a second backward
         # through this node (retain_graph) finds it.
@@ -498,7 +500,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         config, autotune = ctx.config, ctx.autotune
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        qxt, qw_bwd, sx, sw = ctx.saved_tensors
+        qxt, qw_bwd, sx, sw, weight = ctx.saved_tensors
         grad_history, grad_scale = ctx.grad_state
         # One record per forward: a second backward through the same graph
         # (retain_graph, two losses) quantizes with the state's scale.
@@ -509,6 +511,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                                     need_dx, reduce=ctx.training)
         dx = dw = db = dsink = None
         if need_dx:
+            if qw_bwd is None:
+                qw_bwd = _requantize_weight(config, weight, sw)
             dx = ops.gemm(qg, qw_bwd, sg, sw, None, x_dtype, config.fast_accum_dgrad, autotune)
         del qg  # the weight gradient's GEMM runs without the row-major copy (peak memory)
         if need_dw:
@@ -520,6 +524,17 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.has_sink:
             dsink = torch.where(torch.isfinite(ga), ga, torch.zeros_like(ga))
         return (dx, dw, db, dsink) + (None,) * 12
+
+
+def _requantize_weight(config, weight, scale_used):
+    """The weight's FP8 copy in dX's layout, quantized with the scale the
+    forward used: the bytes the forward would have kept (no amax recorded)."""
+    wd = weight.detach()
+    if not wd.is_contiguous():
+        wd = wd.contiguous()
+    in_out = config.in_out  # (K, N): dX reads it as stored; (N, K): transposed
+    q, qt, _ = ops.quantize(wd, scale_used, config.forward_dtype, not in_out, True, in_out)
+    return q if in_out else qt
 
 
 def _as_2d(x, weight, in_out):
@@ -548,9 +563,13 @@ def _python_fp8_linear(x, weight, bias, state, config, training, sink):
         if not wd.is_contiguous():
             wd = wd.contiguous()
         # The forward wants the weight as (N, K), dX as (K, N); out_in stores (N, K).
-        qw, qwt, sw, _ = _quantize(config, wd, s.kernel_amax_history, s.kernel_scale, fwd_dt, in_out or need_dx,
-                                   record, (not in_out) or need_dx)
+        # With requantize_weight_in_backward only the forward's layout now.
+        keep = need_dx and not config.requantize_weight_in_backward
+        qw, qwt, sw, _ = _quantize(config, wd, s.kernel_amax_history, s.kernel_scale, fwd_dt, in_out or keep,
+                                   record, (not in_out) or keep)
         qw_fwd, qw_bwd = (qwt, qw) if in_out else (qw, qwt)
+        if not keep:
+            qw_bwd = None
     autotune = settings_lib.get_settings().gemm_autotune
     needs_graph = grad_on and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
                                or sink is not None)
@@ -629,8 +648,12 @@ class _BlockLinearFunction(torch.autograd.Function):
         else:  # weight (N, K)
             w_fwd, s_fwd, w_bwd, s_bwd = qw, sw, qwt, sw.t()
         y = ops.block_gemm(qx, sx, w_fwd, s_fwd, False, None if bias is None else bias.to(x2d.dtype), x2d.dtype)
-        saved = [w_bwd, s_bwd] if need_dx else [None, None]
+        # requantize_weight_in_backward: the weight itself is kept, and its
+        # blocks (scales from its values alone) quantized again for dX.
+        requantize = need_dx and config.requantize_weight_in_backward
+        saved = [w_bwd, s_bwd] if need_dx and not requantize else [None, None]
         saved += [qxt, sxt] if need_dw else [None, None]  # x^T (K, M) in tiles along M
+        saved.append(weight if requantize else None)
         ctx.save_for_backward(*saved)
         return y
 
@@ -640,7 +663,10 @@ class _BlockLinearFunction(torch.autograd.Function):
         grad_dt, margin, pow2 = config.grad_dtype, config.margin, config.power_of_two
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        w_bwd, s_bwd, qxt, sxt = ctx.saved_tensors
+        w_bwd, s_bwd, qxt, sxt, weight = ctx.saved_tensors
+        if weight is not None and need_dx:
+            qw, qwt, sw = ops.quantize_blocks(weight.detach(), config.forward_dtype, margin, pow2)
+            w_bwd, s_bwd = (qw, sw) if config.in_out else (qwt, sw.t())
         g2d = g.contiguous()
         dx = dw = db = dsink = None
         if need_dx:

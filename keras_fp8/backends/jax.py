@@ -354,15 +354,32 @@ def _per_tensor_product_fwd(x, x_q, x_q_t, x_scale, kernel, bias, pending, kerne
     if route_name == FUSED:
         x_op = x_op._replace(q=None)
         kernel_op = kernel_op._replace(q=None) if out_in else kernel_op._replace(q_t=None)
-    saved = (x_op, kernel_op._replace(amax=None))
+    # requantize_weight_in_backward: the kernel itself is kept (the step's
+    # input, alive anyway), not its FP8 copy; the backward quantizes it again
+    # from the same state, so the same bytes.
+    kept_kernel = kernel_op._replace(amax=None)
+    if recipe.requantize_weight_in_backward:
+        kept_kernel = kernel
+    saved = (x_op, kept_kernel)
     state = (kernel_scale, kernel_history, grad_scale, grad_history, emit_token)
     return outputs, (saved, state, _protos(x, kernel, bias))
+
+
+def _kernel_again(route_name, kernel, grad, state, recipe):
+    """The forward's quantized kernel, made again in the backward from the
+    same kernel and state (requantize_weight_in_backward). The optimization
+    barrier ties it to the gradient, so XLA neither merges it with the
+    forward's quantize nor schedules it before the backward."""
+    kernel, _ = jax.lax.optimization_barrier((kernel, grad))
+    return _quantize(route_name, kernel, state[0], state[1], recipe.forward_format, recipe)
 
 
 def _per_tensor_product_bwd(route_name, recipe, has_bias, out_in, residuals, cotangents):
     grad = _as_stored(cotangents[0])
     (x_op, kernel_op), state, (x_proto, kernel_proto, bias_proto) = residuals
     grad_scale, grad_history, emit_token = state[2:]
+    if recipe.requantize_weight_in_backward:
+        kernel_op = _kernel_again(route_name, kernel_op, grad, state, recipe)
     grad_op = _quantize(route_name, grad, grad_scale, grad_history, recipe.backward_format, recipe, gradient=True)
     if out_in:  # dx = g @ W, dW = g^T @ x: `(N, K)` as the kernel
         dx = _product(route_name, grad_op, kernel_op, x_proto.dtype, backward=True)

@@ -71,6 +71,7 @@ def linear_config(recipe, min_gemm_size, kernel_layout="in_out"):
         min_gemm_size=min_gemm_size,
         share_quantized_inputs=recipe.share_quantized_inputs,
         fuse_producers=getattr(recipe, "fuse_producers", False),
+        requantize_weight_in_backward=recipe.requantize_weight_in_backward,
     )
 
 
