@@ -414,6 +414,84 @@ def keras_hub_fused_producers(norm_call, decoder_call, ffn_multiply):
         llama_decoder.ops = _DecoderOps(llama_decoder.ops, ffn_multiply)
 
 
+class _Overlay:
+    """A module as one keras_hub module sees it (patch 12): every attribute
+    the module's own but those given."""
+
+    def __init__(self, module, **overrides):
+        self._module = module
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+# The line of `GemmaDecoderBlock.call` the GeGLU hook stands in for: the
+# hook's `gelu` returns a stand-in whose `*` is the fused product, so it
+# applies only where keras_hub multiplies `gelu(gate)` straight away.
+_GEMMA_GEGLU_LINE = "keras.activations.gelu(x1, approximate=True) * x2"
+
+
+def _wrap_call(cls, hook):
+    """`cls.call(self, *args, **kwargs)` becomes `hook(self, args, kwargs,
+    keras_call)` (once; `functools.wraps` keeps the signature Keras inspects,
+    such as `training`)."""
+    if hasattr(cls.call, "_keras_original"):
+        return
+    keras_call = cls.call
+
+    @functools.wraps(keras_call)
+    def call(self, *args, **kwargs):
+        return hook(self, args, kwargs, keras_call)
+
+    call._keras_original = keras_call
+    cls.call = call
+
+
+def keras_hub_gemma_fused_producers(norm_call, decoder_call, ffn_gelu):
+    """Patch 12, Gemma: keras_hub's Gemma `RMSNormalization.call(x)` becomes
+    `norm_call(layer, x, keras_call)`, `GemmaDecoderBlock.call` becomes
+    `decoder_call(layer, args, kwargs, keras_call)`, and the decoder block
+    module's `keras.activations.gelu(x, approximate)` becomes
+    `ffn_gelu(x, approximate, keras_gelu)` (only where the block's call
+    multiplies it by the up projection at once, `_GEMMA_GEGLU_LINE`).
+    Nothing where keras_hub has not been imported."""
+    if "keras_hub" not in sys.modules:
+        return
+    try:
+        from keras_hub.src.models.gemma import gemma_decoder_block
+        from keras_hub.src.models.gemma import rms_normalization
+    except ImportError:
+        return
+    norm_cls = rms_normalization.RMSNormalization
+    if not hasattr(norm_cls.call, "_keras_original"):
+        keras_norm = norm_cls.call
+
+        @functools.wraps(keras_norm)
+        def call(self, x):
+            return norm_call(self, x, keras_norm)
+
+        call._keras_original = keras_norm
+        norm_cls.call = call
+    block_cls = gemma_decoder_block.GemmaDecoderBlock
+    if isinstance(gemma_decoder_block.keras, _Overlay):
+        return
+    try:
+        source = inspect.getsource(block_cls.call)
+    except (OSError, TypeError):
+        return
+    if _GEMMA_GEGLU_LINE not in source:
+        return
+    _wrap_call(block_cls, decoder_call)
+    keras_activations = gemma_decoder_block.keras.activations
+
+    def gelu(x, approximate=False):
+        return ffn_gelu(x, approximate, keras_activations.gelu)
+
+    gemma_decoder_block.keras = _Overlay(gemma_decoder_block.keras,
+                                         activations=_Overlay(keras_activations, gelu=gelu))
+
+
 def _keras_torch_function(module, name):
     """`module.name` as Keras defines it (unwrapping an earlier patch)."""
     function = getattr(module, name)

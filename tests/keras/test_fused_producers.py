@@ -1,12 +1,13 @@
-"""Fused producers in a keras_hub Llama model on torch (compat patch 12).
+"""Fused producers in keras_hub models on torch (compat patch 12).
 
-A small `LlamaCausalLM` from a config, trained under `fp8_hybrid` with
-fusion on against the same model with `fuse_producers=false`: every
-variable (weights, optimizer moments, FP8 state) and the predictions bit for
-bit; the fused ops counted (each decoder's two RMSNorms and its SwiGLU
-product, and the last RMSNorm before the vocabulary projection, from the
-second step on, after the first links them). On CPU the
-fused ops run torch_ops's reference; on an FP8 GPU the CUDA kernels.
+Small keras_hub models from configs (`LlamaCausalLM`, `GemmaCausalLM`),
+trained under `fp8_hybrid` with fusion on against the same model with
+`fuse_producers=false`: every variable (weights, optimizer moments, FP8
+state) and the predictions bit for bit; the fused ops counted (each
+decoder's two RMSNorms and its gated FFN's product, and the last RMSNorm
+before the vocabulary projection, from the second step on, after the first
+links them). On CPU the fused ops run torch_ops's reference; on an FP8 GPU
+the CUDA kernels.
 """
 
 from unittest import mock
@@ -31,15 +32,33 @@ pytestmark = pytest.mark.usefixtures("fp8_at_every_size")
 VOCAB, SEQ, BATCH, LAYERS = 96, 6, 8, 2
 
 
-def _llama(policy):
+def _llama():
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB, num_query_heads=2, num_key_value_heads=1, hidden_dim=32, intermediate_dim=48,
+        num_layers=LAYERS, dropout=0.0, tie_word_embeddings=False)
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def _gemma():
+    # Random norm scales: Gemma's start at zero (a weight of exactly 1).
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCAB, num_layers=LAYERS, num_query_heads=2, num_key_value_heads=1, hidden_dim=32,
+        intermediate_dim=96, head_dim=16, dropout=0.0)
+    for v in backbone.weights:
+        if v.path.endswith("/scale"):
+            v.assign(keras.random.normal(v.shape, stddev=0.3, seed=len(v.path)))
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+MODELS = {"llama": _llama, "gemma": _gemma}
+
+
+def _model(name, policy):
     keras.utils.set_random_seed(0)
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
-        backbone = keras_hub.models.LlamaBackbone(
-            vocabulary_size=VOCAB, num_query_heads=2, num_key_value_heads=1, hidden_dim=32, intermediate_dim=48,
-            num_layers=LAYERS, dropout=0.0, tie_word_embeddings=False)
-        task = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+        task = MODELS[name]()
     finally:
         keras.config.set_dtype_policy(previous)
     task.compile(optimizer=keras.optimizers.Adam(1e-2), run_eagerly=True)
@@ -65,9 +84,9 @@ class _Counter:
         return self._fn(*args, **kwargs)
 
 
-def _train(policy, steps=4):
+def _train(policy, steps=4, model="llama"):
     sharing.clear()
-    task = _llama(policy)
+    task = _model(model, policy)
     norms, products = _Counter("scaled_rows_quantize"), _Counter("gated_quantize")
     with mock.patch.object(ops, "scaled_rows_quantize", norms), mock.patch.object(ops, "gated_quantize", products):
         for x, y in _batches(steps):
@@ -77,15 +96,17 @@ def _train(policy, steps=4):
     return variables, predictions, norms.calls, products.calls
 
 
-def test_llama_trains_bit_identically_with_fusion_on_and_off():
-    on, on_pred, norms, products = _train("fp8_hybrid[history_len=4]")
-    off, off_pred, none_n, none_p = _train("fp8_hybrid[history_len=4,fuse_producers=false]")
+@pytest.mark.parametrize("model", ["llama", "gemma"])
+def test_decoder_trains_bit_identically_with_fusion_on_and_off(model):
+    on, on_pred, norms, products = _train("fp8_hybrid[history_len=4]", model=model)
+    off, off_pred, none_n, none_p = _train("fp8_hybrid[history_len=4,fuse_producers=false]", model=model)
     assert len(on) == len(off)
     for i, (a, b) in enumerate(zip(on, off)):
         np.testing.assert_array_equal(a, b, err_msg=f"variable {i}")
     np.testing.assert_array_equal(on_pred, off_pred)
     # Steps 2-4 and the prediction: each decoder's two norms and its product,
-    # and the backbone's last norm (before the FP8 vocabulary projection).
+    # and the backbone's last norm (before the FP8 vocabulary projection,
+    # Gemma's tied).
     assert (norms, products) == (4 * (2 * LAYERS + 1), 4 * LAYERS)
     assert (none_n, none_p) == (0, 0)
 
@@ -100,8 +121,9 @@ def test_fusion_setting_round_trips_in_the_policy_name():
         recipes.DelayedScaling(fuse_producers="no")
 
 
-def test_keras_hub_code_runs_where_nothing_is_fp8():
+@pytest.mark.parametrize("model", ["llama", "gemma"])
+def test_keras_hub_code_runs_where_nothing_is_fp8(model):
     """Under a plain policy the patched layers run keras_hub's own code."""
-    on, on_pred, norms, products = _train("mixed_bfloat16", steps=2)
+    on, on_pred, norms, products = _train("mixed_bfloat16", steps=2, model=model)
     assert (norms, products) == (0, 0)
     assert torch_ops.producers.Producer is not None
