@@ -492,6 +492,12 @@ def keras_hub_gemma_fused_producers(norm_call, decoder_call, ffn_gelu):
                                          activations=_Overlay(keras_activations, gelu=gelu))
 
 
+def layer_norm_fused_producer(norm_call):
+    """Patch 13: `keras.layers.LayerNormalization.call` becomes
+    `norm_call(layer, args, kwargs, keras_call)`."""
+    _wrap_call(keras.layers.LayerNormalization, norm_call)
+
+
 def _keras_torch_function(module, name):
     """`module.name` as Keras defines it (unwrapping an earlier patch)."""
     function = getattr(module, name)

@@ -6,9 +6,12 @@ The ops whose outputs the FP8 layers quantize next, in keras_hub's models:
   and the vocabulary projection) and the gated FFN's product
   (`up * act(gate)`, before the down projection);
 - Gemma: its RMSNorm (`RMSNormalization`, weight `1 + scale`) and the
-  GeGLU product (`gelu(gate) * up`, before the down projection).
+  GeGLU product (`gelu(gate) * up`, before the down projection);
+- Keras's `LayerNormalization` (GPT-2's and BERT's norms): torch computes
+  it in one `F.layer_norm` kernel, statistics and affine together, in
+  float32; only the cast to the 16-bit compute dtype after it fuses.
 
-Through `keras_fp8.compat`'s patch 12 they run here: where the FP8 layer
+Through `keras_fp8.compat`'s patches 12 and 13 they run here: where the FP8 layer
 reading their output has linked itself (`torch_ops.producers.link`:
 delayed scaling with `share_quantized_inputs` and `fuse_producers`), the
 output is written together with that layer's FP8 input in one pass;
@@ -139,8 +142,31 @@ def gemma_ffn_gelu(x, approximate, keras_gelu):
     return _Activated(a, _producer(layer, "_fp8_ffn_producer"))
 
 
+_HALF = ("bfloat16", "float16")
+
+
+def layer_norm_call(layer, args, kwargs, keras_call):
+    """`keras.layers.LayerNormalization.call`: Keras's own, or Keras's own
+    norm in float32 with the cast to the compute dtype fused with the linked
+    FP8 layer's quantize (16-bit inputs in the compute dtype; no
+    `rms_scaling`)."""
+    inputs = args[0] if args else kwargs.get("inputs")
+    if (len(args) + len(kwargs) != 1 or not _eager(inputs) or layer.rms_scaling
+            or layer.compute_dtype not in _HALF or inputs.dtype != getattr(torch, layer.compute_dtype)):
+        return keras_call(layer, *args, **kwargs)
+    producer = _producer(layer, "_fp8_producer")
+    if not producer.linked:
+        return producers.note(keras_call(layer, *args, **kwargs), producer)
+    # Keras's own op on the float32 input (what it computes in: the same
+    # kernel, the same bits), then its cast to the input's dtype, fused.
+    out32 = ops.layer_normalization(ops.cast(inputs, "float32"), layer.gamma, layer.beta, layer.axis,
+                                    layer.epsilon)
+    return producers.cast(out32, inputs.dtype, producer)
+
+
 def install():
-    """Applies compat's patch 12 (idempotent; nothing before keras_hub is
-    imported)."""
+    """Applies compat's patches 12 and 13 (idempotent; patch 12 nothing
+    before keras_hub is imported)."""
     compat.keras_hub_fused_producers(llama_norm_call, decoder_call, llama_ffn_multiply)
     compat.keras_hub_gemma_fused_producers(gemma_norm_call, decoder_call, gemma_ffn_gelu)
+    compat.layer_norm_fused_producer(layer_norm_call)
