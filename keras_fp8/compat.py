@@ -1,8 +1,8 @@
 """Every place keras-fp8 touches Keras's internals, each with the reason.
 
-Keras's public API has no hook for the twelve things below that keras-fp8
+Keras's public API has no hook for the thirteen things below that keras-fp8
 needs, so this module patches them (at `import keras_fp8`, idempotently; 7 to
-10 and 12 on the torch backend only; 11 on the optimizers `keras_fp8.compile_optimizer`
+10, 12 and 13 on the torch backend only; 11 on the optimizers `keras_fp8.compile_optimizer`
 is given, only; each is harmless to code that keeps to Keras's public API),
 and it holds every
 private Keras name the package uses, so that a Keras upgrade is checked here
@@ -117,7 +117,20 @@ Compiled training on torch (`jit_compile=True`, `keras_fp8.compile_blocks`):
    layer builds on torch, once keras_hub is imported), which runs
    keras_hub's own code wherever no FP8 layer has linked itself, and the
    same bits where one has. The decoder's call only marks, per thread, which
-   decoder's FFN the product belongs to.
+   decoder's FFN the product belongs to. Gemma the same way: its
+   `RMSNormalization.call` and `GemmaDecoderBlock.call`, and the
+   `keras.activations.gelu` its decoder block module calls, whose result
+   the block multiplies by the up projection at once
+   (`gelu(gate) * up`, a Python `*` no module attribute reaches): the hook
+   returns Keras's own GELU in a stand-in whose `*` is the product, applied
+   only where the block's source has that exact line.
+13. `keras.layers.LayerNormalization.call` (torch only): torch computes the
+   norm in float32 (`F.layer_norm`, the statistics and the affine in one
+   kernel) and Keras casts the output to the 16-bit compute dtype; that cast
+   is the part that can write the next FP8 layer's input in the same pass
+   (fused producers), through `keras_fp8.backends.torch_producers`, which
+   runs Keras's own call wherever no FP8 layer has linked itself and Keras's
+   own norm, then the fused cast, where one has.
 
 Besides the patches, `calls_through` stands in for one layer instance's
 `call` while a block runs (`keras_fp8.inspection.kept_inputs` sees each FP8
