@@ -1,12 +1,11 @@
-"""Fused producers in keras_hub models on torch (compat patch 12).
+"""Fused producers in keras_hub models on torch (compat patches 12 and 13).
 
-Small keras_hub models from configs (`LlamaCausalLM`, `GemmaCausalLM`),
+Small keras_hub models from configs (`LlamaCausalLM`, `GemmaCausalLM`,
+`GPT2CausalLM`, `BertMaskedLM`),
 trained under `fp8_hybrid` with fusion on against the same model with
 `fuse_producers=false`: every variable (weights, optimizer moments, FP8
-state) and the predictions bit for bit; the fused ops counted (each
-decoder's two RMSNorms and its gated FFN's product, and the last RMSNorm
-before the vocabulary projection, from the second step on, after the first
-links them). On CPU the fused ops run torch_ops's reference; on an FP8 GPU
+state) and the predictions bit for bit; the fused ops counted from the
+second step on, after the first links them (`FUSED_PER_PASS`). On CPU the fused ops run torch_ops's reference; on an FP8 GPU
 the CUDA kernels.
 """
 
