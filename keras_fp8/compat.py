@@ -1,8 +1,8 @@
 """Every place keras-fp8 touches Keras's internals, each with the reason.
 
-Keras's public API has no hook for the twelve things below that keras-fp8
+Keras's public API has no hook for the thirteen things below that keras-fp8
 needs, so this module patches them (at `import keras_fp8`, idempotently; 7 to
-10 and 12 on the torch backend only; 11 on the optimizers `keras_fp8.compile_optimizer`
+10, 12 and 13 on the torch backend only; 11 on the optimizers `keras_fp8.compile_optimizer`
 is given, only; each is harmless to code that keeps to Keras's public API),
 and it holds every
 private Keras name the package uses, so that a Keras upgrade is checked here
@@ -117,7 +117,20 @@ Compiled training on torch (`jit_compile=True`, `keras_fp8.compile_blocks`):
    layer builds on torch, once keras_hub is imported), which runs
    keras_hub's own code wherever no FP8 layer has linked itself, and the
    same bits where one has. The decoder's call only marks, per thread, which
-   decoder's FFN the product belongs to.
+   decoder's FFN the product belongs to. Gemma the same way: its
+   `RMSNormalization.call` and `GemmaDecoderBlock.call`, and the
+   `keras.activations.gelu` its decoder block module calls, whose result
+   the block multiplies by the up projection at once
+   (`gelu(gate) * up`, a Python `*` no module attribute reaches): the hook
+   returns Keras's own GELU in a stand-in whose `*` is the product, applied
+   only where the block's source has that exact line.
+13. `keras.layers.LayerNormalization.call` (torch only): torch computes the
+   norm in float32 (`F.layer_norm`, the statistics and the affine in one
+   kernel) and Keras casts the output to the 16-bit compute dtype; that cast
+   is the part that can write the next FP8 layer's input in the same pass
+   (fused producers), through `keras_fp8.backends.torch_producers`, which
+   runs Keras's own call wherever no FP8 layer has linked itself and Keras's
+   own norm, then the fused cast, where one has.
 
 Besides the patches, `calls_through` stands in for one layer instance's
 `call` while a block runs (`keras_fp8.inspection.kept_inputs` sees each FP8
@@ -412,6 +425,90 @@ def keras_hub_fused_producers(norm_call, decoder_call, ffn_multiply):
         decoder_cls.call = decoder
     if not isinstance(llama_decoder.ops, _DecoderOps):
         llama_decoder.ops = _DecoderOps(llama_decoder.ops, ffn_multiply)
+
+
+class _Overlay:
+    """A module as one keras_hub module sees it (patch 12): every attribute
+    the module's own but those given."""
+
+    def __init__(self, module, **overrides):
+        self._module = module
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+# The line of `GemmaDecoderBlock.call` the GeGLU hook stands in for: the
+# hook's `gelu` returns a stand-in whose `*` is the fused product, so it
+# applies only where keras_hub multiplies `gelu(gate)` straight away.
+_GEMMA_GEGLU_LINE = "keras.activations.gelu(x1, approximate=True) * x2"
+
+
+def _wrap_call(cls, hook):
+    """`cls.call(self, *args, **kwargs)` becomes `hook(self, args, kwargs,
+    keras_call)` (once; `functools.wraps` keeps the signature Keras inspects,
+    such as `training`)."""
+    if hasattr(cls.call, "_keras_original"):
+        return
+    keras_call = cls.call
+
+    @functools.wraps(keras_call)
+    def call(self, *args, **kwargs):
+        return hook(self, args, kwargs, keras_call)
+
+    call._keras_original = keras_call
+    cls.call = call
+
+
+def keras_hub_gemma_fused_producers(norm_call, decoder_call, ffn_gelu):
+    """Patch 12, Gemma: keras_hub's Gemma `RMSNormalization.call(x)` becomes
+    `norm_call(layer, x, keras_call)`, `GemmaDecoderBlock.call` becomes
+    `decoder_call(layer, args, kwargs, keras_call)`, and the decoder block
+    module's `keras.activations.gelu(x, approximate)` becomes
+    `ffn_gelu(x, approximate, keras_gelu)` (only where the block's call
+    multiplies it by the up projection at once, `_GEMMA_GEGLU_LINE`).
+    Nothing where keras_hub has not been imported."""
+    if "keras_hub" not in sys.modules:
+        return
+    try:
+        from keras_hub.src.models.gemma import gemma_decoder_block
+        from keras_hub.src.models.gemma import rms_normalization
+    except ImportError:
+        return
+    norm_cls = rms_normalization.RMSNormalization
+    if not hasattr(norm_cls.call, "_keras_original"):
+        keras_norm = norm_cls.call
+
+        @functools.wraps(keras_norm)
+        def call(self, x):
+            return norm_call(self, x, keras_norm)
+
+        call._keras_original = keras_norm
+        norm_cls.call = call
+    block_cls = gemma_decoder_block.GemmaDecoderBlock
+    if isinstance(gemma_decoder_block.keras, _Overlay):
+        return
+    try:
+        source = inspect.getsource(block_cls.call)
+    except (OSError, TypeError):
+        return
+    if _GEMMA_GEGLU_LINE not in source:
+        return
+    _wrap_call(block_cls, decoder_call)
+    keras_activations = gemma_decoder_block.keras.activations
+
+    def gelu(x, approximate=False):
+        return ffn_gelu(x, approximate, keras_activations.gelu)
+
+    gemma_decoder_block.keras = _Overlay(gemma_decoder_block.keras,
+                                         activations=_Overlay(keras_activations, gelu=gelu))
+
+
+def layer_norm_fused_producer(norm_call):
+    """Patch 13: `keras.layers.LayerNormalization.call` becomes
+    `norm_call(layer, args, kwargs, keras_call)`."""
+    _wrap_call(keras.layers.LayerNormalization, norm_call)
 
 
 def _keras_torch_function(module, name):

@@ -158,7 +158,11 @@ class _ScaledRowsFunction(torch.autograd.Function):
         versions = (history._version, scale._version)
         y2d, q, scale_used, amax = ops.scaled_rows_quantize(x2d, row_mul.detach(), weight.detach(), out_dtype,
                                                             history, scale, link.fp8_dtype, link.margin, True)
-        ctx.save_for_backward(x, row_mul, weight)
+        # Only what the gradients asked for is kept (a cast's factors of one
+        # take none: its input stays unsaved, as the cast's own backward).
+        need_x, need_row, need_w = ctx.needs_input_grad[:3]
+        ctx.save_for_backward(x if need_row or need_w else None, row_mul if need_x or need_w else None,
+                              weight if need_x or need_row else None)
         y = y2d.view(x.shape)
         _deposit(y, q, scale_used, amax, link, history, scale, versions, transpose)
         return y
@@ -166,10 +170,11 @@ class _ScaledRowsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, row_mul, weight = ctx.saved_tensors
+        need_x, need_row, need_w = ctx.needs_input_grad[:3]
         g_b = gy.to(torch.float32)
-        a = x * row_mul
-        g_a = g_b * weight
-        return g_a * row_mul, g_a * x, g_b * a, None, None, None
+        g_a = g_b * weight if need_x or need_row else None
+        return (g_a * row_mul if need_x else None, g_a * x if need_row else None,
+                g_b * (x * row_mul) if need_w else None, None, None, None)
 
 
 def scaled_rows(x, row_mul, weight, out_dtype, producer=None):
@@ -196,6 +201,31 @@ def scaled_rows(x, row_mul, weight, out_dtype, producer=None):
             or x.numel() == 0):
         return _note(((x * row_mul) * weight).to(out_dtype), producer)
     return _note(_ScaledRowsFunction.apply(x, row_mul, weight, out_dtype, fused, torch.is_grad_enabled()), producer)
+
+
+def cast(x, out_dtype, producer=None):
+    """``x`` rounded to ``out_dtype`` (a norm computed in float32, cast to
+    the compute dtype after it: Keras's ``LayerNormalization`` on torch),
+    fused with the linked linear's quantize where ``producer`` is linked.
+
+    The fused op is ``scaled_rows`` with factors of one: ``(x * 1) * 1`` is
+    ``x`` exactly, so ``y`` is the cast's bits and the gradient ``x``
+    receives is the cast's (the incoming gradient in float32).
+
+    Args:
+        x: ``(..., C)`` float32.
+        out_dtype: The output's dtype (the compute dtype).
+        producer: The layer's ``Producer``, or None (never fused).
+
+    Returns:
+        ``x.to(out_dtype)``; differentiable in x.
+    """
+    fused = _fusable(producer, x)
+    if fused is None or x.dtype != torch.float32 or x.dim() < 2 or x.numel() == 0 or out_dtype == x.dtype:
+        return _note(x.to(out_dtype), producer)
+    rows = torch.ones((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    cols = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
+    return _note(_ScaledRowsFunction.apply(x, rows, cols, out_dtype, fused, torch.is_grad_enabled()), producer)
 
 
 # --------------------------------------------------------------------------- gated activations

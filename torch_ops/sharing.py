@@ -195,12 +195,17 @@ def _drop_produced(key, token, produced=_PRODUCED):
 
 
 def producer_of(x):
-    """The producer that made ``x`` (or the tensor ``x`` is a view of),
-    unchanged since, or None."""
+    """The producer that made ``x`` (or the tensor ``x`` is a contiguous view
+    of, as a whole: the layouts its deposits are left under), unchanged
+    since, or None (a slice, such as a pooler's first token, never links:
+    the copy of the whole would go unread)."""
     ident = _identity(x)
     if ident is None:
         return None
     root = ident[0]
+    if x is not root and (x.numel() != root.numel() or x.storage_offset() != root.storage_offset()
+                          or not x.is_contiguous()):
+        return None
     with _LOCK:
         item = _PRODUCED.get(id(root))
     if item is None or item[0]() is not root or item[1] != root._version:

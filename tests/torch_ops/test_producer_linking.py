@@ -211,3 +211,66 @@ def test_changed_state_is_not_taken():
 def test_nothing_links_where_fusion_cannot_apply(options):
     _, fused, _ = _run_norm_block("cpu", True, steps=3, config=_config(**options))
     assert fused == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_layer_norm_cast_into_linear(device, out_dtype, request):
+    """A float32 norm's cast to the compute dtype (Keras's LayerNormalization
+    on torch), fused: the cast's output and gradients bit for bit, the
+    norm's float32 output not kept for the backward."""
+    if device == "cuda":
+        request.getfixturevalue("kernels_required")
+
+    def run(fuse):
+        g = torch.Generator().manual_seed(6)
+        w = (torch.randn(C, N, generator=g) * 0.1).to(device).requires_grad_()
+        gamma = (1 + 0.1 * torch.randn(C, generator=g)).to(device).requires_grad_()
+        beta = (0.1 * torch.randn(C, generator=g)).to(device).requires_grad_()
+        state = torch_ops.FP8LinearState.create(history_len=4, device=device)
+        producer = producers.Producer() if fuse else None
+        counter = _Counter("scaled_rows_quantize")
+        got = []
+        with mock.patch.object(ops, "scaled_rows_quantize", counter):
+            for step in range(3):
+                x = (torch.randn(B, S, C, generator=g) * (2 + step)).to(device, out_dtype).requires_grad_()
+                out32 = torch.nn.functional.layer_norm(x.to(torch.float32), (C,), gamma, beta, 1e-5)
+                y = producers.cast(out32, out_dtype, producer)
+                out = torch_ops.fp8_linear(y, w, None, state, _config(), True)
+                out.float().square().mean().backward()
+                got += [y, out, x.grad]
+        return got + [w.grad, gamma.grad, beta.grad, *state.tensors()], counter.calls
+
+    on, fused = run(True)
+    off, _ = run(False)
+    _assert_same(on, off)
+    assert fused == 2
+
+
+def test_cast_keeps_nothing_large_for_the_backward():
+    producer = producers.Producer()
+    state = torch_ops.FP8LinearState.create(history_len=4)
+    w = torch.randn(C, N) * 0.1
+    for _ in range(2):
+        x = torch.randn(B, S, C, requires_grad=True)
+        y = producers.cast(x, torch.bfloat16, producer)
+        torch_ops.fp8_linear(y, w, None, state, _config(), True)
+    assert producer.linked
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    assert all(t.numel() < x.numel() for t in saved)
+
+
+def test_a_slice_of_a_produced_tensor_never_links():
+    """A linear reading part of a producer's output (a pooler's first token)
+    does not link it: the producer's copy of the whole would go unread."""
+    producer = producers.Producer()
+    state = torch_ops.FP8LinearState.create(history_len=4)
+    w = torch.randn(C, N) * 0.1
+    for _ in range(2):
+        x = torch.randn(B, S, C)
+        y = producers.cast(x, torch.bfloat16, producer)
+        torch_ops.fp8_linear(y[:, 0, :], w, None, state, _config(), True)
+        assert not producer.linked
+    # The whole (or its 2-D view) links.
+    torch_ops.fp8_linear(y.view(-1, C), w, None, state, _config(), True)
+    assert producer.linked
