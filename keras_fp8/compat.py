@@ -402,27 +402,8 @@ def keras_hub_fused_producers(norm_call, decoder_call, ffn_multiply):
         from keras_hub.src.models.llama import llama_layernorm
     except ImportError:
         return
-    norm_cls = llama_layernorm.LlamaLayerNorm
-    if not hasattr(norm_cls.call, "_keras_original"):
-        keras_norm = norm_cls.call
-
-        @functools.wraps(keras_norm)
-        def call(self, x):
-            return norm_call(self, x, keras_norm)
-
-        call._keras_original = keras_norm
-        norm_cls.call = call
-    decoder_cls = llama_decoder.LlamaTransformerDecoder
-    if not hasattr(decoder_cls.call, "_keras_original"):
-        keras_decoder = decoder_cls.call
-
-        # `functools.wraps` keeps the signature Keras inspects (`training`).
-        @functools.wraps(keras_decoder)
-        def decoder(self, *args, **kwargs):
-            return decoder_call(self, args, kwargs, keras_decoder)
-
-        decoder._keras_original = keras_decoder
-        decoder_cls.call = decoder
+    _wrap_call(llama_layernorm.LlamaLayerNorm, _norm_hook(norm_call))
+    _wrap_call(llama_decoder.LlamaTransformerDecoder, decoder_call)
     if not isinstance(llama_decoder.ops, _DecoderOps):
         llama_decoder.ops = _DecoderOps(llama_decoder.ops, ffn_multiply)
 
@@ -461,6 +442,17 @@ def _wrap_call(cls, hook):
     cls.call = call
 
 
+def _norm_hook(norm_call):
+    """A `_wrap_call` hook for a norm whose call takes its input alone:
+    `norm_call(layer, x, keras_call)`."""
+
+    def hook(layer, args, kwargs, keras_call):
+        (x,) = args  # keras_hub's norms: `call(self, x)`
+        return norm_call(layer, x, keras_call, **kwargs)
+
+    return hook
+
+
 def keras_hub_gemma_fused_producers(norm_call, decoder_call, ffn_gelu):
     """Patch 12, Gemma: keras_hub's Gemma `RMSNormalization.call(x)` becomes
     `norm_call(layer, x, keras_call)`, `GemmaDecoderBlock.call` becomes
@@ -476,16 +468,7 @@ def keras_hub_gemma_fused_producers(norm_call, decoder_call, ffn_gelu):
         from keras_hub.src.models.gemma import rms_normalization
     except ImportError:
         return
-    norm_cls = rms_normalization.RMSNormalization
-    if not hasattr(norm_cls.call, "_keras_original"):
-        keras_norm = norm_cls.call
-
-        @functools.wraps(keras_norm)
-        def call(self, x):
-            return norm_call(self, x, keras_norm)
-
-        call._keras_original = keras_norm
-        norm_cls.call = call
+    _wrap_call(rms_normalization.RMSNormalization, _norm_hook(norm_call))
     block_cls = gemma_decoder_block.GemmaDecoderBlock
     if isinstance(gemma_decoder_block.keras, _Overlay):
         return
