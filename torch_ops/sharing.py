@@ -133,7 +133,7 @@ def store(x, settings, consumer, payload):
     tuple whose second item is the transposed copy, or None where it was
     not written) for the next linear reading ``x``; replaces an older entry. A no-op where
     ``x`` cannot be shared (see the module docstring)."""
-    _put(x, settings, payload, None if consumer is None else id(consumer), None)
+    _put(x, settings, payload, consumer, None)
 
 
 def deposit(y, settings, payload, history, scale, versions):
@@ -147,12 +147,15 @@ def deposit(y, settings, payload, history, scale, versions):
     _put(y, settings, payload, None, reserved)
 
 
-def _put(x, settings, payload, consumer_id, reserved):
+def _put(x, settings, payload, consumer, reserved):
     """Enters ``payload`` for ``x`` (replacing an older entry, dropping the
-    oldest beyond ``MAX_ENTRIES``); a no-op where ``x`` cannot be shared."""
+    oldest beyond ``MAX_ENTRIES``); a no-op where ``x`` cannot be shared,
+    deciding that before anything else is read (under torch.compile, an
+    ``id()`` of the consumer would become a guard of the compiled code)."""
     ident = _identity(x)
     if ident is None:
         return
+    consumer_id = None if consumer is None else id(consumer)
     root, part = ident
     key = (part, settings)
     token = object()
